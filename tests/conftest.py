@@ -57,3 +57,13 @@ def data_dir() -> Path | None:
 requires_data = pytest.mark.skipif(
     data_dir() is None, reason="TAPS_DATA_DIR is not set or missing (benchmark/training data lives in ../shared/data)"
 )
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One in-process Ray cluster for the whole test run."""
+    from taps_ray.ray_utils import init_ray
+
+    ray = init_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()

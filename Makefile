@@ -1,0 +1,40 @@
+# taps_ray: `make demo` runs the main job on the embedded default, `make test` the whole suite.
+# Each target installs what it needs first (a .venv with the pinned dependencies).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+STAMP := $(VENV)/.setup-stamp
+DATA_DIR := $(abspath ../shared/data)
+ifneq ($(wildcard $(DATA_DIR)/bench),)
+export TAPS_DATA_DIR ?= $(DATA_DIR)
+endif
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test demo lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+demo: setup
+	$(VENV)/bin/taps prepare configs/demo.yaml
+
+lint: setup
+	$(VENV)/bin/ruff check taps_ray tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/bench_decode.py configs/demo.yaml
+
+clean-venv:
+	rm -rf $(VENV)

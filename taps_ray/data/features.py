@@ -1,0 +1,377 @@
+"""Target features: chat-template tokenization, loss masks, one teacher-forced target pass,
+Parquet shards written by Ray Data target actors, cached by content key.
+
+A feature set is a folder ``$TAPS_CACHE/features/<dataset>-<key>/`` of Parquet shards with one
+row per conversation: ``row_id`` int64, ``input_ids`` list<int32> [T], ``loss_mask`` list<int8>
+[T] (1 on assistant tokens), ``length`` int32, ``hidden`` binary (bf16 [T, H], row-major). The
+folder is complete only when ``_SUCCESS.json`` exists; it is written last, after an atomic
+rename, so an interrupted ``prepare`` is never read as complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from taps_ray import artifacts
+from taps_ray.config import DatasetConfig, ExperimentConfig, RegenerationConfig, TargetConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "_SUCCESS.json"
+
+
+class FeatureCacheError(RuntimeError):
+    """A feature set is missing, incomplete, or was computed for another target."""
+
+
+@dataclass
+class TokenizedConversation:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages`` with the chat template; return the text and each assistant turn's
+    character span (the turn's content plus the template's end-of-turn marker).
+
+    Spans come from rendering growing prefixes (with and without the generation prompt), so
+    no template-specific offsets are assumed.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
+        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
+        if not text.startswith(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)):
+            raise ValueError("chat template is not prefix-stable; cannot derive assistant spans")
+        body = text[start:end]
+        eos = tokenizer.eos_token or ""
+        cut = body.rfind(eos) + len(eos) if eos and eos in body else len(body.rstrip())
+        spans.append((start, start + cut))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> TokenizedConversation:
+    """Token ids and loss mask (1 on assistant tokens) of one conversation, truncated to ``max_len``."""
+    text, spans = assistant_char_spans(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    starts = np.array([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.int8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    truncated = len(ids) > max_len
+    return TokenizedConversation(ids[:max_len], mask[:max_len].tolist(), truncated)
+
+
+def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regeneration: RegenerationConfig) -> str:
+    """Content key of a feature set: target identity, source spec, max_len, regeneration settings."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},
+        "dataset": dataset.model_dump(),
+        "data_dir": os.environ.get("TAPS_DATA_DIR", ""),
+        "max_len": max_len,
+        "regeneration": regeneration.model_dump(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def features_root() -> Path:
+    return artifacts.cache_dir() / "features"
+
+
+@dataclass
+class FeatureSet:
+    """A complete, cached feature set (see module docstring for the row schema)."""
+
+    name: str
+    path: Path
+    manifest: dict
+
+    @property
+    def rows(self) -> int:
+        return int(self.manifest["rows"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["target"]["hidden_size"])
+
+    def shard_paths(self) -> list[str]:
+        return sorted(str(p) for p in self.path.glob("*.parquet"))
+
+    def read_rows(self, row_ids: np.ndarray | list[int] | None = None) -> list[dict]:
+        """Decode rows (all, or those with ``row_id`` in ``row_ids``) into tensors:
+        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H]."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(self.shard_paths())
+        if row_ids is not None:
+            table = table.filter(pc.is_in(table["row_id"], value_set=__import__("pyarrow").array(np.asarray(row_ids))))
+        return [decode_row(r, self.hidden_size) for r in table.to_pylist()]
+
+
+def decode_row(row: dict, hidden_size: int) -> dict:
+    length = int(row["length"])
+    hidden = torch.frombuffer(bytearray(row["hidden"]), dtype=torch.bfloat16).view(length, hidden_size)
+    return {
+        "row_id": int(row["row_id"]),
+        "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
+        "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.float32),
+        "hidden": hidden,
+    }
+
+
+def open_feature_set(path: Path, fingerprint: dict, name: str) -> FeatureSet:
+    """Open a complete feature set, rejecting an incomplete one or one of another target."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise FeatureCacheError(f"features for {name!r} at {path} are missing or incomplete; run `taps prepare`")
+    manifest = json.loads(manifest_path.read_text())
+    for key in ("hidden_size", "vocab_size", "embed_hash"):
+        if manifest["target"].get(key) != fingerprint.get(key):
+            raise FeatureCacheError(
+                f"features at {path} were computed for target {manifest['target'].get('name')!r}: "
+                f"{key} {manifest['target'].get(key)!r} != {fingerprint.get(key)!r} of {fingerprint.get('name')!r}"
+            )
+    return FeatureSet(name=name, path=path, manifest=manifest)
+
+
+def feature_set_path(cfg: ExperimentConfig, name: str, fingerprint: dict) -> Path:
+    if name not in cfg.data.datasets:
+        raise ValueError(f"unknown dataset {name!r}; datasets in config: {sorted(cfg.data.datasets)}")
+    ds = cfg.data.datasets[name]
+    key = feature_key(fingerprint, ds, cfg.data.features.max_len, cfg.data.features.regeneration)
+    return features_root() / f"{name}-{key}"
+
+
+def load_feature_set(cfg: ExperimentConfig, name: str, fingerprint: dict) -> FeatureSet:
+    return open_feature_set(feature_set_path(cfg, name, fingerprint), fingerprint, name)
+
+
+class _TargetActor:
+    """Ray Data callable class holding one target model (loaded once per actor)."""
+
+    def __init__(self, target_cfg: dict):
+        from taps_ray.models.target import TargetModel
+
+        cfg = TargetConfig.model_validate(target_cfg)
+        if cfg.threads is None and torch.device("cuda" if torch.cuda.is_available() else "cpu").type == "cpu":
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+        self.target = TargetModel.load(cfg)
+
+
+class FeatureActor(_TargetActor):
+    """Batch of tokenized rows -> the same rows plus ``hidden`` bf16 bytes (teacher forced)."""
+
+    def __call__(self, batch: dict) -> dict:
+        lengths = [len(ids) for ids in batch["input_ids"]]
+        width = max(lengths)
+        ids = torch.zeros(len(lengths), width, dtype=torch.long)
+        attn = torch.zeros(len(lengths), width, dtype=torch.long)
+        for i, row in enumerate(batch["input_ids"]):
+            ids[i, : lengths[i]] = torch.as_tensor(np.asarray(row, dtype=np.int64))
+            attn[i, : lengths[i]] = 1
+        hidden = self.target.hidden_states(ids, attn).to(torch.bfloat16).cpu()
+        out = dict(batch)
+        out["length"] = np.asarray(lengths, dtype=np.int32)
+        out["hidden"] = np.array(
+            [hidden[i, : lengths[i]].contiguous().view(torch.int16).numpy().tobytes() for i in range(len(lengths))],
+            dtype=object,
+        )
+        return out
+
+
+class RegenerateActor(_TargetActor):
+    """Batch of prompts (``messages`` as JSON) -> ``response`` text generated by the target."""
+
+    def __init__(self, target_cfg: dict, regeneration: dict):
+        super().__init__(target_cfg)
+        self.regen = RegenerationConfig.model_validate(regeneration)
+
+    def __call__(self, batch: dict) -> dict:
+        tok = self.target.tokenizer
+        prompts = [tok.apply_chat_template(json.loads(m), tokenize=False, add_generation_prompt=True)
+                   for m in batch["messages"]]
+        tok.padding_side = "left"
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.target.device)
+        sample = self.regen.temperature > 0
+        if sample:
+            torch.manual_seed(self.regen.seed + int(batch["row_id"][0]))
+        with torch.inference_mode():
+            out = self.target.model.generate(
+                **enc, max_new_tokens=self.regen.max_new_tokens, do_sample=sample,
+                temperature=self.regen.temperature if sample else None, top_p=None, top_k=None,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            )
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return {"row_id": batch["row_id"], "messages": batch["messages"], "response": np.array(texts, dtype=object)}
+
+
+@dataclass
+class PrepareResult:
+    dataset: str
+    path: str
+    cache_hit: bool
+    origin: str
+    rows: int
+    tokens: int
+    loss_tokens: int
+    megabytes: float
+    seconds: float
+    skipped: dict = field(default_factory=dict)
+    regenerated: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 and not self.cache_hit else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
+
+
+def _actor_options() -> dict:
+    if torch.cuda.is_available():
+        return {"num_gpus": 1}
+    return {"num_cpus": 1}
+
+
+def _num_actors(cfg: ExperimentConfig) -> int:
+    if cfg.data.features.num_actors:
+        return cfg.data.features.num_actors
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]]) -> list[list[dict]]:
+    import ray
+
+    regen = cfg.data.features.regeneration
+    prompts = [[m for m in conv if m["role"] != "assistant"][:2] for conv in conversations]
+    items = [{"row_id": i, "messages": json.dumps(p)} for i, p in enumerate(prompts)]
+    ds = ray.data.from_items(items).map_batches(
+        RegenerateActor,
+        fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "regeneration": regen.model_dump()},
+        batch_size=regen.batch_size,
+        concurrency=_num_actors(cfg),
+        **_actor_options(),
+    )
+    rows = sorted(ds.take_all(), key=lambda r: r["row_id"])
+    return [json.loads(r["messages"]) + [{"role": "assistant", "content": r["response"].strip()}] for r in rows]
+
+
+def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path) -> None:
+    import ray
+
+    rows = sorted(rows, key=lambda r: len(r["input_ids"]))
+    batch_rows = max(1, cfg.data.features.batch_tokens // cfg.data.features.max_len)
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // batch_rows))
+    ds = ds.map_batches(
+        FeatureActor,
+        fn_constructor_kwargs={"target_cfg": cfg.target.model_dump()},
+        batch_size=batch_rows,
+        batch_format="numpy",
+        concurrency=_num_actors(cfg),
+        **_actor_options(),
+    )
+    ds.write_parquet(str(out_dir), min_rows_per_file=cfg.data.features.rows_per_shard)
+
+
+def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
+    """Compute (or reuse) the feature set of dataset ``name``; returns what was done."""
+    from taps_ray.data.sources import load_dataset_alternatives
+
+    fingerprint = target.fingerprint.to_dict()
+    final = feature_set_path(cfg, name, fingerprint)
+    if (final / MANIFEST).exists():
+        fs = open_feature_set(final, fingerprint, name)
+        m = fs.manifest
+        return PrepareResult(name, str(final), True, m["origin"], m["rows"], m["tokens"], m["loss_tokens"],
+                             m["megabytes"], m["seconds"], m.get("skipped", {}), m.get("regenerated", 0))
+    start = time.perf_counter()
+    source = load_dataset_alternatives(cfg.data.datasets[name])
+    conversations = source.conversations
+    regenerated = 0
+    if source.prompt_only and conversations:
+        log.info("%s: generating %d responses with the target (self-distillation)", name, len(conversations))
+        conversations = _regenerate(cfg, conversations)
+        regenerated = len(conversations)
+    max_len = cfg.data.features.max_len
+    skipped = dict(getattr(source, "skipped", {}) or {})
+    rows, truncated, no_loss = [], 0, 0
+    for conv in conversations:
+        tc = tokenize_conversation(target.tokenizer, conv, max_len)
+        truncated += tc.truncated
+        if sum(tc.loss_mask) == 0:
+            no_loss += 1
+            continue
+        rows.append({"row_id": len(rows), "input_ids": np.asarray(tc.input_ids, dtype=np.int32),
+                     "loss_mask": np.asarray(tc.loss_mask, dtype=np.int8)})
+    skipped["no_assistant_tokens_after_truncation"] = no_loss
+    if not rows:
+        raise FeatureCacheError(f"dataset {name!r} ({source.origin}) produced no rows with assistant tokens")
+    if truncated:
+        log.info("%s: %d of %d conversations truncated to max_len=%d", name, truncated, len(conversations), max_len)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    _write_features(cfg, rows, partial)
+    seconds = time.perf_counter() - start
+    tokens = int(sum(len(r["input_ids"]) for r in rows))
+    manifest = {
+        "dataset": name, "origin": source.origin, "rows": len(rows), "tokens": tokens,
+        "loss_tokens": int(sum(int(r["loss_mask"].sum()) for r in rows)),
+        "megabytes": round(sum(p.stat().st_size for p in partial.glob("*.parquet")) / 2**20, 2),
+        "seconds": round(seconds, 2), "skipped": skipped, "truncated": truncated, "regenerated": regenerated,
+        "max_len": max_len, "target": fingerprint, "format": FORMAT_VERSION,
+        "config": cfg.data.datasets[name].model_dump(),
+    }
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    tmp = final / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, final / MANIFEST)
+    return PrepareResult(name, str(final), False, source.origin, len(rows), tokens, manifest["loss_tokens"],
+                         manifest["megabytes"], round(seconds, 2), skipped, regenerated)
+
+
+def prepare_features(cfg: ExperimentConfig, names: list[str] | None = None, target=None) -> list[PrepareResult]:
+    """Prepare every dataset of ``cfg`` (or ``names``); Ray is started only when work is needed."""
+    from taps_ray.models.target import TargetModel
+
+    names = names or list(cfg.data.datasets)
+    unknown = [n for n in names if n not in cfg.data.datasets]
+    if unknown:
+        raise ValueError(f"unknown dataset(s) {unknown}; datasets in config: {sorted(cfg.data.datasets)}")
+    target = target or TargetModel.load(cfg.target)
+    fingerprint = target.fingerprint.to_dict()
+    if any(not (feature_set_path(cfg, n, fingerprint) / MANIFEST).exists() for n in names):
+        from taps_ray.ray_utils import init_ray
+
+        init_ray()
+    return [prepare_dataset(cfg, n, target) for n in names]
+
+
+def summary_table(results: list[PrepareResult]) -> str:
+    header = "| dataset | cache | origin | rows | tokens | loss tokens | MB | s | tokens/s |\n|---|---|---|---|---|---|---|---|---|"
+    lines = [header]
+    for r in results:
+        lines.append(
+            f"| {r.dataset} | {'hit' if r.cache_hit else 'computed'} | {r.origin} | {r.rows} | {r.tokens} | "
+            f"{r.loss_tokens} | {r.megabytes} | {r.seconds if not r.cache_hit else 0} | "
+            f"{r.tokens_per_s:.0f} |"
+        )
+    return "\n".join(lines)

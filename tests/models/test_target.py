@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from taps_ray.config import TargetConfig
+from taps_ray.models.target import TargetLoadError, TargetModel, compact_cache, crop_cache
+from tests.conftest import make_tiny_target
+
+
+def _greedy(target: TargetModel, ids: torch.Tensor, steps: int) -> list[int]:
+    out = target.prefill(ids)
+    cache, tokens = out.cache, []
+    nxt = out.logits[0, -1].argmax()
+    for i in range(steps):
+        tokens.append(int(nxt))
+        out = target.forward(nxt.view(1, 1), torch.tensor([[ids.shape[1] + i]]), cache)
+        nxt = out.logits[0, -1].argmax()
+    return tokens
+
+
+@pytest.mark.integration
+def test_embedded_target_loads_and_greedy_is_deterministic(embedded_target):
+    info = embedded_target.describe()
+    assert (info["hidden_size"], info["vocab_size"], info["layers"]) == (576, 49152, 30)
+    assert info["dtype"] == "float32" and info["device"] == "cpu"
+    ids = embedded_target.encode_chat([{"role": "user", "content": "What is 2+3?"}])
+    first = _greedy(embedded_target, ids, 12)
+    assert first == _greedy(embedded_target, ids, 12)
+    hf = embedded_target.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert first[: len(hf)] == hf
+    assert embedded_target.tokenizer.decode(first).strip().startswith("2 + 3") or "5" in embedded_target.tokenizer.decode(first)
+
+
+def test_fingerprint_mismatch_names_field():
+    a, b = make_tiny_target(0), make_tiny_target(1)
+    assert a.fingerprint.mismatch(a.fingerprint) is None
+    message = a.fingerprint.mismatch(b.fingerprint)
+    assert "embed_hash" in message
+    c = make_tiny_target(0, hidden_size=32)
+    assert "hidden_size" in a.fingerprint.mismatch(c.fingerprint)
+
+
+def test_tree_forward_and_compaction_match_sequential(tiny_target):
+    torch.manual_seed(0)
+    ids = torch.randint(2, 200, (1, 9))
+    seq = _greedy(tiny_target, ids, 4)
+    out = tiny_target.prefill(ids)
+    cache, p = out.cache, ids.shape[1]
+    # tree: node0 = seq[0]; node1 = wrong sibling; node2 = seq[1] child of node0
+    tokens = torch.tensor([[seq[0], (seq[0] + 7) % 250 + 2, seq[1]]])
+    positions = torch.tensor([[p, p, p + 1]])
+    ancestors = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.zeros(1, 1, 3, p + 3)
+    mask[..., p:] = torch.where(ancestors, 0.0, torch.finfo(torch.float32).min)
+    tree_out = tiny_target.forward(tokens, positions, cache, mask)
+    assert tree_out.logits[0, 0].argmax().item() == seq[1]
+    assert tree_out.logits[0, 2].argmax().item() == seq[2]
+    compact_cache(cache, p, torch.tensor([0, 2]))
+    assert cache.get_seq_length() == p + 2
+    nxt = tiny_target.forward(torch.tensor([[seq[2]]]), torch.tensor([[p + 2]]), cache)
+    assert nxt.logits[0, -1].argmax().item() == seq[3]
+    crop_cache(cache, p)
+    assert cache.get_seq_length() == p
+
+
+def test_bad_target_sources(tmp_path):
+    with pytest.raises(TargetLoadError, match="embedded:smollm2-135m"):
+        TargetModel.load(TargetConfig(model="embedded:nope"))
+    with pytest.raises(TargetLoadError, match="does not exist"):
+        TargetModel.load(TargetConfig(model=str(tmp_path / "x.gguf")))
+    with pytest.raises(TargetLoadError, match="cannot load target"):
+        TargetModel.load(TargetConfig(model=str(tmp_path / "no-such-folder")))
