@@ -26,7 +26,9 @@ in the graph through the drafter's parameters. The total is the mean over passes
 so one pass equals EAGLE-2 and the loss scale does not grow with ``n``.
 
 Every term is a mean over the scored positions of its pass; the per-position feature term is the
-SmoothL1 (beta 1) averaged over the hidden dimension.
+SmoothL1 (beta 1) averaged over the hidden dimension. Soft CE and top-K distillation share one fused
+autograd function with a closed-form logits gradient (``log q`` is never materialised); the
+[N, V] LM-head products dominate a training step on CPU.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class ObjectiveConfig(BaseModel):
 class LossOutput:
     """``total`` scalar tensor (backprop this); ``parts`` floats: ``loss``, ``feature``, ``ce``,
     ``topk`` (HASS; means over passes) and ``pass{k}/{loss,feature,ce,topk}``; ``tokens`` scored
-    positions of pass 1; ``top1_acc[k-1]`` drafter argmax == target argmax in pass ``k``."""
+    positions of pass 1; ``top1_acc[k-1]`` drafter argmax == target argmax in pass ``k`` (NaN if
+no position is scored)."""
 
     total: torch.Tensor
     parts: dict[str, float] = field(default_factory=dict)
