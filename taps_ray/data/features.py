@@ -179,22 +179,26 @@ class _TargetActor:
 class FeatureActor(_TargetActor):
     """Batch of tokenized rows -> the same rows plus ``hidden`` bf16 bytes (teacher forced)."""
 
-    def __call__(self, batch: dict) -> dict:
-        lengths = [len(ids) for ids in batch["input_ids"]]
-        width = max(lengths)
-        ids = torch.zeros(len(lengths), width, dtype=torch.long)
-        attn = torch.zeros(len(lengths), width, dtype=torch.long)
-        for i, row in enumerate(batch["input_ids"]):
-            ids[i, : lengths[i]] = torch.as_tensor(np.asarray(row, dtype=np.int64))
+    def __call__(self, batch):
+        """``batch``: pyarrow table with row_id, input_ids, loss_mask -> the same plus length, hidden."""
+        import pyarrow as pa
+
+        id_lists = batch.column("input_ids").to_pylist()
+        lengths = [len(ids) for ids in id_lists]
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, row in enumerate(id_lists):
+            ids[i, : lengths[i]] = torch.tensor(row)
             attn[i, : lengths[i]] = 1
         hidden = self.target.hidden_states(ids, attn).to(torch.bfloat16).cpu()
-        out = dict(batch)
-        out["length"] = np.asarray(lengths, dtype=np.int32)
-        out["hidden"] = np.array(
-            [hidden[i, : lengths[i]].contiguous().view(torch.int16).numpy().tobytes() for i in range(len(lengths))],
-            dtype=object,
-        )
-        return out
+        blobs = [hidden[i, : lengths[i]].contiguous().view(torch.int16).numpy().tobytes() for i in range(len(lengths))]
+        return pa.table({
+            "row_id": batch.column("row_id").cast(pa.int64()),
+            "input_ids": pa.array(id_lists, type=pa.list_(pa.int32())),
+            "loss_mask": batch.column("loss_mask").cast(pa.list_(pa.int8())),
+            "length": pa.array(lengths, type=pa.int32()),
+            "hidden": pa.array(blobs, type=pa.binary()),
+        })
 
 
 class RegenerateActor(_TargetActor):
@@ -260,6 +264,7 @@ def _num_actors(cfg: ExperimentConfig) -> int:
 def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]]) -> list[list[dict]]:
     import ray
 
+    _quiet_ray_data()
     regen = cfg.data.features.regeneration
     prompts = [[m for m in conv if m["role"] != "assistant"][:2] for conv in conversations]
     items = [{"row_id": i, "messages": json.dumps(p)} for i, p in enumerate(prompts)]
@@ -267,25 +272,45 @@ def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]]) -> list[
         RegenerateActor,
         fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "regeneration": regen.model_dump()},
         batch_size=regen.batch_size,
-        concurrency=_num_actors(cfg),
+        compute=ray.data.ActorPoolStrategy(size=_num_actors(cfg)),
         **_actor_options(),
     )
     rows = sorted(ds.take_all(), key=lambda r: r["row_id"])
     return [json.loads(r["messages"]) + [{"role": "assistant", "content": r["response"].strip()}] for r in rows]
 
 
+def _quiet_ray_data() -> None:
+    import sys
+
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.print_on_execution_start = False
+    ctx.enable_operator_progress_bars = False
+    ctx.enable_progress_bars = sys.stderr.isatty()
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+
 def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path) -> None:
     import ray
 
+    _quiet_ray_data()
     rows = sorted(rows, key=lambda r: len(r["input_ids"]))
     batch_rows = max(1, cfg.data.features.batch_tokens // cfg.data.features.max_len)
-    ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // batch_rows))
+    import pyarrow as pa
+
+    table = pa.table({
+        "row_id": pa.array([r["row_id"] for r in rows], type=pa.int64()),
+        "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([r["loss_mask"] for r in rows], type=pa.list_(pa.int8())),
+    })
+    ds = ray.data.from_arrow(table).repartition(max(1, len(rows) // batch_rows))
     ds = ds.map_batches(
         FeatureActor,
         fn_constructor_kwargs={"target_cfg": cfg.target.model_dump()},
         batch_size=batch_rows,
-        batch_format="numpy",
-        concurrency=_num_actors(cfg),
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=_num_actors(cfg)),
         **_actor_options(),
     )
     ds.write_parquet(str(out_dir), min_rows_per_file=cfg.data.features.rows_per_shard)
@@ -319,8 +344,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
         if sum(tc.loss_mask) == 0:
             no_loss += 1
             continue
-        rows.append({"row_id": len(rows), "input_ids": np.asarray(tc.input_ids, dtype=np.int32),
-                     "loss_mask": np.asarray(tc.loss_mask, dtype=np.int8)})
+        rows.append({"row_id": len(rows), "input_ids": tc.input_ids, "loss_mask": tc.loss_mask})
     skipped["no_assistant_tokens_after_truncation"] = no_loss
     if not rows:
         raise FeatureCacheError(f"dataset {name!r} ({source.origin}) produced no rows with assistant tokens")
@@ -333,7 +357,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     tokens = int(sum(len(r["input_ids"]) for r in rows))
     manifest = {
         "dataset": name, "origin": source.origin, "rows": len(rows), "tokens": tokens,
-        "loss_tokens": int(sum(int(r["loss_mask"].sum()) for r in rows)),
+        "loss_tokens": int(sum(sum(r["loss_mask"]) for r in rows)),
         "megabytes": round(sum(p.stat().st_size for p in partial.glob("*.parquet")) / 2**20, 2),
         "seconds": round(seconds, 2), "skipped": skipped, "truncated": truncated, "regenerated": regenerated,
         "max_len": max_len, "target": fingerprint, "format": FORMAT_VERSION,

@@ -1,0 +1,120 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from taps_ray.config import load_config
+from taps_ray.data import features
+from taps_ray.data.features import (
+    MANIFEST,
+    FeatureCacheError,
+    feature_set_path,
+    load_feature_set,
+    open_feature_set,
+    prepare_features,
+    tokenize_conversation,
+)
+
+CHAT = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def _masked_text(tokenizer, tc):
+    ids = [i for i, m in zip(tc.input_ids, tc.loss_mask) if m]
+    return tokenizer.decode(ids)
+
+
+@pytest.mark.integration
+def test_loss_mask_single_turn(embedded_target):
+    tok = embedded_target.tokenizer
+    tc = tokenize_conversation(tok, CHAT[:2], max_len=512)
+    assert tc.input_ids == tok.apply_chat_template(CHAT[:2], tokenize=True, return_dict=False)
+    assert _masked_text(tok, tc) == "Hello! How can I help?<|im_end|>"
+    assert not tc.truncated
+
+
+@pytest.mark.integration
+def test_loss_mask_multi_turn_and_system(embedded_target):
+    tok = embedded_target.tokenizer
+    conv = [{"role": "system", "content": "Be brief."}, *CHAT]
+    tc = tokenize_conversation(tok, conv, max_len=512)
+    assert _masked_text(tok, tc) == "Hello! How can I help?<|im_end|>4<|im_end|>"
+    user_ids = tok("What is 2+2?", add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(tc.input_ids)) if tc.input_ids[i:i + len(user_ids)] == user_ids)
+    assert not any(tc.loss_mask[start:start + len(user_ids)])
+
+
+@pytest.mark.integration
+def test_truncation(embedded_target):
+    tc = tokenize_conversation(embedded_target.tokenizer, CHAT, max_len=20)
+    assert len(tc.input_ids) == 20 and len(tc.loss_mask) == 20 and tc.truncated
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def _tiny_config(tmp_path, rows):
+    data = tmp_path / "chat.jsonl"
+    _write_jsonl(data, rows)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(
+        "name: t\n"
+        f"output_dir: {tmp_path / 'runs'}\n"
+        "data:\n  datasets:\n    chat:\n      domain: chat\n"
+        f"      alternatives:\n        - {{kind: jsonl, path: {data}}}\n"
+        "  features: {max_len: 48, batch_tokens: 96, rows_per_shard: 2}\n"
+        "mixtures:\n  all: {counts: {chat: 3}}\n"
+    )
+    return load_config(cfg_path)
+
+
+@pytest.mark.integration
+def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_target, ray_session):
+    monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}: add {i} and {i}?"},
+                          {"role": "assistant", "content": f"{i} + {i} = {2 * i}. " * (1 + i)}]} for i in range(5)]
+    rows.append({"messages": []})
+    cfg = _tiny_config(tmp_path, rows)
+    first = prepare_features(cfg, target=embedded_target)[0]
+    assert not first.cache_hit and first.rows == 5
+    assert first.tokens == sum(min(48, len(embedded_target.encode_chat(r["messages"], False)[0])) for r in rows[:5])
+    fs = load_feature_set(cfg, "chat", embedded_target.fingerprint.to_dict())
+    decoded = {r["row_id"]: r for r in fs.read_rows()}
+    assert len(decoded) == 5 and len(fs.shard_paths()) >= 2
+    for row in decoded.values():
+        expected = embedded_target.hidden_states(row["input_ids"][None])[0]
+        assert torch.allclose(row["hidden"].float(), expected.to(torch.bfloat16).float(), atol=1e-2)
+    subset = fs.read_rows(np.array([1, 3]))
+    assert sorted(r["row_id"] for r in subset) == [1, 3]
+    second = prepare_features(cfg, target=embedded_target)[0]
+    assert second.cache_hit and second.rows == first.rows and second.path == first.path
+
+
+def test_incomplete_or_foreign_cache_is_rejected(tmp_path):
+    fp = {"name": "a", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
+    folder = tmp_path / "chat-123"
+    folder.mkdir()
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        open_feature_set(folder, fp, "chat")
+    (folder / MANIFEST).write_text(json.dumps({"rows": 1, "target": {**fp, "embed_hash": "zzz", "name": "b"}}))
+    with pytest.raises(FeatureCacheError, match="embed_hash"):
+        open_feature_set(folder, fp, "chat")
+
+
+def test_feature_key_depends_on_max_len_and_target(tmp_path):
+    cfg = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}"])
+    fp = {"name": "a", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
+    base = feature_set_path(cfg, "chat", fp)
+    assert base == feature_set_path(cfg, "chat", {**fp, "name": "renamed"})
+    assert base != feature_set_path(cfg, "chat", {**fp, "embed_hash": "other"})
+    cfg2 = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
+                              "data.features.max_len=99"])
+    assert base != feature_set_path(cfg2, "chat", fp)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        feature_set_path(cfg, "math", fp)
