@@ -1,0 +1,317 @@
+"""The generate loop: plain (vanilla) decoding and speculative decoding through a :class:`Strategy`.
+
+Both paths share one ``TargetModel.forward`` and one KV cache per request, so their speeds are
+comparable. Drafter alignment (EAGLE): the drafter consumes pairs ``(token_{i+1}, f_i)``, where
+``f_i`` is the target's feature at position i; after a step that accepted nodes
+``root, a_1 .. a_k`` and sampled the bonus ``b``, the new pairs are ``(a_1, f_root), ..,
+(b, f_{a_k})``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from taps_ray.config import SamplingConfig, TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec import stats
+from taps_ray.spec.stats import StepRecord
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+from taps_ray.spec.verify import compact_target, process_logits, run_tree, verify_greedy, verify_sampling
+
+
+@dataclass
+class DecodeState:
+    """The shared prefix at the start of a step.
+
+    ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
+    cache), so ``prefix_len == L - 1`` is the root's position.
+    """
+
+    tokens: torch.Tensor
+    prefix_len: int
+    prompt_len: int
+    step: int
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """How a step's draft tree is made.
+
+    ``start`` begins a request with the prompt pairs (``tokens`` [T] = token_{i+1}, the last one
+    being the root; ``features`` [T, H] = f_i); ``propose`` returns the tree to verify from the
+    shared prefix (None: decode one token plainly); ``advance`` hands over the pairs of the
+    accepted tokens (``tokens`` [k + 1] accepted + bonus, ``features`` [k + 1, H] target features
+    at the root and the accepted nodes).
+    """
+
+    name: str
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
+
+    def propose(self, state: DecodeState) -> DraftTree | None: ...
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
+
+
+class VanillaStrategy:
+    """No drafting: one target forward per token."""
+
+    name = "vanilla"
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> None:
+        return None
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        pass
+
+
+class SingleStrategy:
+    """One drafter, one EAGLE-2 tree per step."""
+
+    name = "single"
+
+    def __init__(self, drafter: DraftHead, tree: TreeConfig | None = None):
+        self.drafter = drafter
+        self.tree = tree or TreeConfig()
+        self.target: TargetModel | None = None
+        self.state: DrafterState | None = None
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.target = target
+        self.state = DrafterState(self.drafter)
+        self.state.add(tokens, features)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        return draft_tree(self.drafter, self.target, self.state, self.tree)
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.state.add(tokens, features)
+
+
+@dataclass
+class GenerationResult:
+    """``token_ids`` generated (EOS kept when hit), ``finish_reason`` eos | length | context."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_len: int
+    finish_reason: str
+    strategy: str
+    prefill_s: float
+    total_s: float
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return stats.tau(self.steps)
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return [s.accepted for s in self.steps]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per wall second of the whole call (prefill included)."""
+        return len(self.token_ids) / self.total_s if self.total_s > 0 else float("nan")
+
+    def to_dict(self, with_steps: bool = False) -> dict:
+        out = {
+            "text": self.text, "token_ids": self.token_ids, "strategy": self.strategy,
+            "finish_reason": self.finish_reason, "prompt_len": self.prompt_len, "steps": len(self.steps),
+            "tau": self.tau if self.steps else None, "accept_lengths": self.accept_lengths, "tokens_per_s": self.tokens_per_s,
+            "prefill_s": self.prefill_s, "total_s": self.total_s,
+        }
+        if with_steps:
+            out["step_records"] = [s.to_dict() for s in self.steps]
+        return out
+
+
+STRATEGIES = ("vanilla", "single")
+
+
+def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 0) -> DraftHead:
+    """The drafter checkpoint in ``directory`` for ``target`` (``DrafterLoadError`` if it does not
+    fit), or a freshly initialised drafter from ``seed`` when ``directory`` is None."""
+    if directory is None:
+        return DraftHead(target.config, seed=seed).to(target.device, target.dtype).eval()
+    return DraftHead.load(directory, target.config, target.fingerprint, target.device, target.dtype)
+
+
+def make_strategy(name: str, drafters: list[DraftHead] | None = None, tree: TreeConfig | None = None) -> Strategy:
+    """A strategy by name: ``vanilla`` (no drafter) or ``single`` (the first of ``drafters``)."""
+    if name == "vanilla":
+        return VanillaStrategy()
+    if name == "single":
+        if not drafters:
+            raise ValueError("strategy 'single' needs a drafter")
+        return SingleStrategy(drafters[0], tree)
+    raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+
+
+def check_sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
+    """A validated :class:`SamplingConfig` (greedy when None); bad values raise ValueError naming them."""
+    if sampling is None:
+        return SamplingConfig()
+    values = sampling.model_dump() if isinstance(sampling, SamplingConfig) else dict(sampling)
+    temperature = values.get("temperature", 0.0)
+    top_p = values.get("top_p", 1.0)
+    top_k = values.get("top_k", 0)
+    if not isinstance(temperature, int | float) or not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    return SamplingConfig(**values)
+
+
+def prompt_ids(target: TargetModel, prompt) -> torch.Tensor:
+    """Token ids [T] from ids (list / tensor), chat ``messages`` (list of dicts) or a user message string."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        if target.tokenizer is None:
+            raise ValueError("this target has no tokenizer: pass token ids instead of text")
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list | tuple) and prompt and isinstance(prompt[0], dict):
+        ids = target.encode_chat(list(prompt))[0]
+    else:
+        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("prompt is empty (0 tokens)")
+    if ids.numel() >= target.max_context:
+        raise ValueError(f"prompt has {ids.numel()} tokens; the target's max_context {target.max_context} "
+                         f"leaves room for at most {target.max_context - 1}")
+    return ids.to(target.device)
+
+
+def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
+
+
+@torch.inference_mode()
+def generate(
+    target: TargetModel,
+    prompt,
+    strategy: Strategy | None = None,
+    sampling: SamplingConfig | dict | None = None,
+    max_new_tokens: int = 128,
+    eos_token_ids: set[int] | frozenset[int] | None = None,
+    collect_entropy: bool = True,
+) -> GenerationResult:
+    """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
+
+    ``strategy`` None or :class:`VanillaStrategy` decodes plainly; greedy when
+    ``sampling.temperature == 0`` (speculative output then equals vanilla token for token), else
+    lossless speculative sampling seeded by ``sampling.seed``. Stops after an EOS token (kept),
+    at ``max_new_tokens`` (a longer accepted path is trimmed) or at the target's context limit.
+    """
+    strategy = strategy or VanillaStrategy()
+    sampling = check_sampling(sampling)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    ids = prompt_ids(target, prompt)
+    eos = torch.tensor(sorted(target.eos_token_ids if eos_token_ids is None else eos_token_ids),
+                       dtype=torch.long, device=target.device)
+    greedy = sampling.temperature == 0
+    generator = None
+    if not greedy and sampling.seed is not None:
+        generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        if greedy:
+            return logits.argmax(-1)
+        probs = process_logits(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    start = time.perf_counter()
+    prompt_len = ids.numel()
+    cache = target.new_cache()
+    out = target.prefill(ids[None], cache)
+    tokens = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=target.device)
+    tokens[:prompt_len] = ids
+    tokens[prompt_len:prompt_len + 1] = choose(out.logits[0, -1:])
+    length = prompt_len + 1
+    finish = None
+    if bool(torch.isin(tokens[prompt_len], eos)):
+        finish = "eos"
+    elif max_new_tokens == 1:
+        finish = "length"
+    else:
+        strategy.start(target, tokens[1:length], out.hidden[0])
+    prefill_s = time.perf_counter() - start
+    steps: list[StepRecord] = []
+
+    while finish is None:
+        r = length - 1
+        if r >= target.max_context:
+            finish = "context"
+            break
+        t0 = time.perf_counter()
+        tree = strategy.propose(DecodeState(tokens[:length], r, prompt_len, len(steps)))
+        t1 = time.perf_counter()
+        record_extra = {}
+        if tree is None:
+            positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
+            out = target.forward(tokens[r:length][None], positions, cache)
+            new = choose(out.logits[0])
+            features = out.hidden[0]
+            accepted, tree_size, tree_depth = 0, 1, 0
+        else:
+            if tree.size > target.max_context - r:
+                tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
+            out = run_tree(target, tree, cache)
+            logits = out.logits[0]
+            if greedy:
+                verdict = verify_greedy(tree, logits)
+            else:
+                verdict = verify_sampling(tree, logits, sampling.temperature, sampling.top_p, sampling.top_k,
+                                          generator)
+            compact_target(cache, tree, verdict)
+            new, features = verdict.tokens, out.hidden[0, verdict.path]
+            accepted, tree_size, tree_depth = verdict.accepted, tree.size, tree.depth.max()
+            if collect_entropy:
+                record_extra = _entropies(tree, logits, verdict)
+            if tree.meta:
+                record_extra["meta"] = tree.meta
+        is_eos = torch.isin(new, eos)
+        first_eos = int(torch.where(is_eos.any(), is_eos.int().argmax(), new.numel()))
+        keep = min(new.numel(), max_new_tokens - (length - prompt_len), first_eos + 1)
+        tokens[length:length + keep] = new[:keep]
+        length += keep
+        steps.append(StepRecord(accepted=accepted, appended=keep, tree_size=tree_size, draft_s=t1 - t0,
+                                verify_s=time.perf_counter() - t1, tree_depth=tree_depth, **record_extra))
+        if first_eos < new.numel() and keep == first_eos + 1:
+            finish = "eos"
+        elif length - prompt_len >= max_new_tokens:
+            finish = "length"
+        else:
+            strategy.advance(new, features)
+
+    total_s = time.perf_counter() - start
+    generated = tokens[prompt_len:length].tolist()
+    text = target.tokenizer.decode(generated, skip_special_tokens=True) if target.tokenizer is not None else None
+    return GenerationResult(token_ids=generated, text=text, prompt_len=prompt_len, finish_reason=finish,
+                            strategy=strategy.name, prefill_s=prefill_s, total_s=total_s, steps=steps)
+
+
+def _entropies(tree: DraftTree, logits: torch.Tensor, verdict) -> dict:
+    """Draft / target entropies of the accepted tokens and of the rejected one (NaN when none)."""
+    target_entropy = _token_entropy(logits[verdict.path])
+    rejected = verdict.rejected
+    has_rejected = rejected >= 0
+    nan = torch.full((), float("nan"))
+    return {
+        "draft_entropy": tree.entropy[verdict.path[1:]],
+        "target_entropy": target_entropy[:-1],
+        "rejected_draft_entropy": torch.where(has_rejected, tree.entropy[rejected.clamp(min=0)], nan),
+        "rejected_target_entropy": torch.where(has_rejected, target_entropy[-1], nan),
+    }

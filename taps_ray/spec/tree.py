@@ -1,0 +1,300 @@
+"""Draft trees: the :class:`DraftTree` container, EAGLE-2 dynamic expansion and rerank, trie union.
+
+Shapes: ``N`` tree nodes including the root (node 0), ``K`` = ``top_k``, ``D`` = ``depth``
+(expansions after the first level), ``H`` hidden size, ``V`` draft vocabulary, ``r`` = the prefix
+length (number of target KV entries before the root; the root sits at position ``r``).
+
+Every tree keeps its nodes in an order where parents precede children (``parent[i] < i``), so any
+index prefix ``0..n-1`` is itself a tree and level-by-level loops never need per-node Python work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel, crop_cache
+
+
+@dataclass
+class DraftTree:
+    """A token tree rooted at the last target token, ready for verification.
+
+    ``tokens`` [N] long (target vocabulary; ``tokens[0]`` is the root), ``parent`` [N] long
+    (``-1`` for the root, ``parent[i] < i``), ``depth`` [N] long (root 0), ``score`` [N] float
+    (cumulative draft log-prob of the path, root 0, non-increasing along paths), ``entropy`` [N]
+    float (entropy of the draft distribution the node was drawn from, root 0), ``mask`` [N, N]
+    bool (``mask[i, j]``: j is i or an ancestor of i), ``prefix_len`` r. ``meta`` carries
+    strategy information (routing decisions, merge sources) into the step record.
+    """
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    score: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+    prefix_len: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Position ids [N] = prefix_len + depth."""
+        return self.depth + self.prefix_len
+
+    @cached_property
+    def paths(self) -> torch.Tensor:
+        """Root-to-leaf node indices [L, max_depth + 1], padded with -1, one row per leaf (ascending)."""
+        has_child = torch.zeros(self.size, dtype=torch.bool, device=self.tokens.device)
+        has_child[self.parent[1:]] = True
+        leaves = (~has_child).nonzero().squeeze(1)
+        rows = self.mask[leaves]
+        column = rows.long().cumsum(1) - 1
+        leaf_row, node = rows.nonzero(as_tuple=True)
+        out = torch.full((leaves.numel(), int(self.depth.max()) + 1), -1, dtype=torch.long, device=rows.device)
+        out[leaf_row, column[leaf_row, node]] = node
+        return out
+
+    def select(self, keep: torch.Tensor) -> DraftTree:
+        """The subtree on node indices ``keep`` [n] (ascending, contains 0, closed under ancestors)."""
+        keep = keep.to(torch.long)
+        remap = torch.full((self.size + 1,), -1, dtype=torch.long, device=keep.device)
+        remap[keep] = torch.arange(keep.numel(), device=keep.device)
+        return DraftTree(
+            tokens=self.tokens[keep],
+            parent=remap[self.parent[keep]],
+            depth=self.depth[keep],
+            score=self.score[keep],
+            entropy=self.entropy[keep],
+            mask=self.mask[keep][:, keep],
+            prefix_len=self.prefix_len,
+            meta=dict(self.meta),
+        )
+
+    def top(self, n: int) -> DraftTree:
+        """The root plus the ``n - 1`` best-scored nodes (ancestor-closed, parents first)."""
+        if n >= self.size:
+            return self
+        keep = torch.cat([self.tokens.new_zeros(1), 1 + rerank(self.score[1:], n - 1)])
+        return self.select(keep)
+
+
+def rerank(score: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices [min(n, M)] of the best of ``score`` [M], returned ascending.
+
+    Candidates must be listed parents first with child score <= parent score; the stable sort then
+    breaks ties by index, so a kept node's parent always ranks ahead of it and is kept too.
+    """
+    order = torch.sort(score, descending=True, stable=True).indices[:n]
+    return order.sort().values
+
+
+def ancestor_mask(parent: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """``mask`` [N, N] bool from ``parent`` [N] (``-1`` for the root).
+
+    Follows parent links ``max_depth`` times (the tree's depth; until every chain ends when None).
+    """
+    n = parent.numel()
+    rows = torch.arange(n, device=parent.device)
+    mask = torch.eye(n, dtype=torch.bool, device=parent.device)
+    hop = parent.clone()
+    safe = torch.cat([parent, parent.new_full((1,), -1)])
+    hops = 0
+    while (hops < max_depth) if max_depth is not None else bool((hop >= 0).any()):
+        mask[rows, hop.clamp(min=0)] |= hop >= 0
+        hop = safe[hop]
+        hops += 1
+    return mask
+
+
+def build_tree(
+    tokens: torch.Tensor | list[int],
+    parents: torch.Tensor | list[int],
+    score: torch.Tensor | list[float] | None = None,
+    entropy: torch.Tensor | list[float] | None = None,
+    prefix_len: int = 0,
+    meta: dict | None = None,
+) -> DraftTree:
+    """A :class:`DraftTree` from node ``tokens`` [N] and ``parents`` [N] (``parents[0] == -1``,
+    ``parents[i] < i``). ``score`` defaults to ``-depth`` (shallower first), ``entropy`` to 0.
+    """
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    parent = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+    n = tokens.numel()
+    if n < 1 or parent.shape != tokens.shape:
+        raise ValueError(f"need tokens and parents of the same length >= 1, got {tuple(tokens.shape)} and "
+                         f"{tuple(parent.shape)}")
+    if int(parent[0]) != -1:
+        raise ValueError(f"node 0 must be the root (parent -1), got parent {int(parent[0])}")
+    bad = (parent[1:] < 0) | (parent[1:] >= torch.arange(1, n, device=parent.device))
+    if bad.any():
+        i = int(bad.nonzero()[0]) + 1
+        raise ValueError(f"parents must precede children: node {i} has parent {int(parent[i])}")
+    mask = ancestor_mask(parent)
+    depth = mask.sum(1) - 1
+    score = -depth.float() if score is None else torch.as_tensor(score, dtype=torch.float32)
+    entropy = torch.zeros(n) if entropy is None else torch.as_tensor(entropy, dtype=torch.float32)
+    return DraftTree(tokens, parent, depth, score, entropy, mask, prefix_len, dict(meta or {}))
+
+
+def merge_trees(trees: list[DraftTree]) -> DraftTree:
+    """Trie union of trees drafted from the same prefix: identical root-to-node paths become one node.
+
+    A merged node's ``score`` is the best of its copies, ``entropy`` their mean;
+    ``meta["sources"]`` [N, len(trees)] bool says which trees proposed each node. Nodes come out
+    level by level (parents first), so :meth:`DraftTree.top` gives the budgeted merge.
+    """
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    if len({t.prefix_len for t in trees}) != 1 or len({int(t.tokens[0]) for t in trees}) != 1:
+        raise ValueError("trees must share the prefix and the root token to be merged")
+    sizes = torch.tensor([t.size for t in trees])
+    offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    tokens = torch.cat([t.tokens for t in trees])
+    parent = torch.cat([torch.where(t.parent >= 0, t.parent + o, -1) for t, o in zip(trees, offsets.tolist())])
+    depth = torch.cat([t.depth for t in trees])
+    source = torch.repeat_interleave(torch.arange(len(trees)), sizes)
+    merged = torch.full_like(tokens, -1)
+    merged[depth == 0] = 0
+    next_id = 1
+    for level in range(1, int(depth.max()) + 1):
+        nodes = (depth == level).nonzero().squeeze(1)
+        keys = torch.stack([merged[parent[nodes]], tokens[nodes]], dim=1)
+        unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+        merged[nodes] = next_id + inverse
+        next_id += unique.shape[0]
+    m_parent = torch.full((next_id,), -1, dtype=torch.long)
+    m_parent[merged] = torch.where(parent >= 0, merged[parent.clamp(min=0)], -1)
+    m_tokens = torch.zeros(next_id, dtype=torch.long).scatter(0, merged, tokens)
+    scores = torch.cat([t.score for t in trees]).float()
+    m_score = torch.full((next_id,), -torch.inf).scatter_reduce(0, merged, scores, "amax")
+    m_entropy = torch.zeros(next_id).scatter_reduce(0, merged, torch.cat([t.entropy for t in trees]).float(),
+                                                      "mean", include_self=False)
+    sources = torch.zeros(next_id, len(trees), dtype=torch.bool)
+    sources[merged, source] = True
+    tree = build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
+    return tree
+
+
+class DrafterState:
+    """A drafter's KV cache over committed ``(token_{i+1}, f_i)`` pairs plus pairs not yet run.
+
+    The cache holds positions ``0 .. committed - 1``; :meth:`add` queues new pairs (tokens [m],
+    target features [m, H]); :func:`draft_tree` runs the queued pairs first, so after drafting
+    ``committed`` equals the root's position.
+    """
+
+    def __init__(self, drafter: DraftHead):
+        self.drafter = drafter
+        self.cache = drafter.new_cache()
+        self.committed = 0
+        self._tokens: list[torch.Tensor] = []
+        self._features: list[torch.Tensor] = []
+
+    def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Queue pairs: ``tokens`` [m] are token_{i+1}, ``features`` [m, H] are the target's f_i."""
+        self._tokens.append(tokens.reshape(-1))
+        self._features.append(features.reshape(tokens.numel(), -1))
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._tokens:
+            raise RuntimeError("drafter state has no new pairs: call add() with the accepted tokens first")
+        tokens, features = torch.cat(self._tokens), torch.cat(self._features)
+        self._tokens, self._features = [], []
+        return tokens, features
+
+
+def _log_probs(drafter: DraftHead, target: TargetModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft log-probs [n, V] and their entropies [n] from drafter outputs ``hidden`` [n, H]."""
+    logp = torch.log_softmax(drafter.logits(hidden, target.lm_head.weight), dim=-1)
+    return logp, -(logp.exp() * logp).sum(-1)
+
+
+@torch.inference_mode()
+def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tree_cfg: TreeConfig) -> DraftTree:
+    """Draft one EAGLE-2 dynamic tree of at most ``tree_cfg.total_tokens`` nodes.
+
+    Runs the queued pairs (the last token queued is the root), takes the root's top-K children,
+    then ``depth`` times runs the drafter on the K frontier nodes at once under a tree mask over
+    its own cache, scores all K*K children by cumulative log-prob and keeps the global top K as
+    the next frontier. Rerank keeps the ``total_tokens - 1`` best of every generated node. The
+    expansion KV entries are cropped afterwards; only the committed pairs stay in the cache.
+    """
+    device = target.device
+    tokens, features = state.take_pending()
+    r = state.committed + tokens.numel()
+    positions = torch.arange(state.committed, r, device=device)[None]
+    dtype = drafter.fc.weight.dtype
+    out = drafter(target.embed_tokens(tokens.to(device))[None], features[None].to(device, dtype), positions,
+                  state.cache)
+    state.committed = r
+    root = tokens[-1:]
+
+    logp, ent = _log_probs(drafter, target, out[0, -1:])
+    k = min(tree_cfg.top_k, logp.shape[-1])
+    depth = tree_cfg.depth
+    n_cand = k + depth * k * k
+    cand_token = torch.empty(n_cand, dtype=torch.long, device=device)
+    cand_parent = torch.empty(n_cand, dtype=torch.long, device=device)
+    cand_score = torch.empty(n_cand, dtype=torch.float32, device=device)
+    cand_entropy = torch.empty(n_cand, dtype=torch.float32, device=device)
+    cand_depth = torch.empty(n_cand, dtype=torch.long, device=device)
+
+    top = logp[0].topk(k)
+    frontier_token = drafter.to_target_ids(top.indices)
+    frontier_score = top.values
+    frontier_id = torch.arange(k, device=device)
+    cand_token[:k], cand_parent[:k], cand_score[:k] = frontier_token, -1, frontier_score
+    cand_entropy[:k], cand_depth[:k] = ent[0], 1
+    frontier_feature = out[0, -1:].expand(k, -1)
+    slot_ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    filled = k
+
+    for level in range(1, depth + 1):
+        slot_ancestors = torch.cat([slot_ancestors, eye], dim=1)
+        allowed = torch.cat([slot_ancestors.new_ones(k, r), slot_ancestors], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        positions = torch.full((1, k), r + level - 1, device=device)
+        hidden = drafter(target.embed_tokens(frontier_token)[None], frontier_feature[None], positions,
+                         state.cache, mask)[0]
+        logp, ent = _log_probs(drafter, target, hidden)
+        top = logp.topk(k, dim=-1)
+        child_score = (frontier_score[:, None] + top.values).reshape(-1)
+        child_token = drafter.to_target_ids(top.indices).reshape(-1)
+        span = slice(filled, filled + k * k)
+        cand_token[span], cand_score[span] = child_token, child_score
+        cand_parent[span] = frontier_id.repeat_interleave(k)
+        cand_entropy[span], cand_depth[span] = ent.repeat_interleave(k), level + 1
+        if level < depth:
+            best = child_score.topk(k).indices
+            row = best // k
+            frontier_token, frontier_score = child_token[best], child_score[best]
+            frontier_id = filled + best
+            frontier_feature = hidden[row]
+            slot_ancestors = slot_ancestors[row]
+        filled += k * k
+
+    crop_cache(state.cache, r)
+    keep = rerank(cand_score, tree_cfg.total_tokens - 1)
+    remap = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)
+    remap[keep] = torch.arange(1, keep.numel() + 1, device=device)
+    parent = torch.cat([torch.full((1,), -1, device=device), remap[cand_parent[keep]].clamp(min=0)])
+    return DraftTree(
+        tokens=torch.cat([root.to(device), cand_token[keep]]),
+        parent=parent,
+        depth=torch.cat([cand_depth.new_zeros(1), cand_depth[keep]]),
+        score=torch.cat([cand_score.new_zeros(1), cand_score[keep]]),
+        entropy=torch.cat([cand_entropy.new_zeros(1), cand_entropy[keep]]),
+        mask=ancestor_mask(parent, depth + 1),
+        prefix_len=r,
+    )

@@ -1,0 +1,24 @@
+"""Fixtures of the speculative-decoding tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spec.spec_helpers import peaky_tiny_target
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: the models here are tiny or the machine is shared, and OpenMP spin-waits
+    between two threads make every small matmul ~100x slower under CPU contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def peaky_target():
+    """Tiny random Llama (vocab 256, hidden 64) with peaked, context-dependent next-token distributions."""
+    return peaky_tiny_target(0)
