@@ -118,3 +118,27 @@ def test_feature_key_depends_on_max_len_and_target(tmp_path):
     assert base != feature_set_path(cfg2, "chat", fp)
     with pytest.raises(ValueError, match="unknown dataset"):
         feature_set_path(cfg, "math", fp)
+
+
+@pytest.mark.integration
+def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, embedded_target, ray_session):
+    monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
+    data = tmp_path / "problems.jsonl"
+    _write_jsonl(data, [{"problem": "What is 3 + 4?"}, {"problem": "Name a prime number."}])
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(
+        "data:\n  datasets:\n    math:\n      domain: math\n"
+        f"      alternatives:\n        - {{kind: jsonl, path: {data}, regenerate: true}}\n"
+        "  features: {max_len: 96, regeneration: {max_new_tokens: 12, batch_size: 2}}\n"
+    )
+    cfg = load_config(cfg_path)
+    result = prepare_features(cfg, target=embedded_target)[0]
+    assert result.regenerated == 2 and result.rows == 2
+    tok = embedded_target.tokenizer
+    rows = load_feature_set(cfg, "math", embedded_target.fingerprint.to_dict()).read_rows()
+    for row in rows:
+        question = "What is 3 + 4?" if "3 + 4" in tok.decode(row["input_ids"]) else "Name a prime number."
+        prompt = embedded_target.encode_chat([{"role": "user", "content": question}])[0]
+        greedy = embedded_target.model.generate(prompt[None], max_new_tokens=12, do_sample=False)[0, prompt.numel():]
+        assistant = tok.decode(row["input_ids"][row["loss_mask"].bool()]).replace("<|im_end|>", "")
+        assert assistant.strip() and assistant.strip() == tok.decode(greedy, skip_special_tokens=True).strip()
