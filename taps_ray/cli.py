@@ -52,8 +52,114 @@ def _run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- generate ------------------------------------------------------------------------------------
+
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--prompt", required=True, help="user message (the target's chat template is applied)")
+    parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                        help="drafter checkpoint directory (repeatable; 'single' uses the first)")
+    parser.add_argument("--strategy", choices=["vanilla", "single"], default="single")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: config sampling)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _drafters(target, dirs: list[str], seed: int) -> list:
+    from taps_ray.models.drafter import DrafterLoadError
+    from taps_ray.spec.decoder import load_drafter
+
+    if not dirs:
+        print("taps: no --drafter given: using a freshly initialised (untrained) drafter", file=sys.stderr)
+        return [load_drafter(target, None, seed)]
+    try:
+        return [load_drafter(target, d) for d in dirs]
+    except DrafterLoadError as err:
+        raise UserError(str(err)) from err
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.decoder import check_sampling, generate, make_strategy
+
+    cfg = _load(args)
+    given = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    sampling = check_sampling({**cfg.sampling.model_dump(), **{k: v for k, v in given.items() if v is not None}})
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty")
+    target = TargetModel.load(cfg.target)
+    drafters = _drafters(target, args.drafter, cfg.drafter.seed) if args.strategy != "vanilla" else []
+    result = generate(target, args.prompt, make_strategy(args.strategy, drafters, cfg.tree), sampling,
+                      args.max_new_tokens)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        print(f"[{result.strategy}] {len(result.token_ids)} tokens, {len(result.steps)} steps, "
+              f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------
+
+def _add_bench(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--drafter", default=None, metavar="DIR", help="drafter checkpoint (default: untrained)")
+    parser.add_argument("--benchmark", default="gsm8k", help="mt_bench, gsm8k, math_500 or svamp")
+    parser.add_argument("--limit", type=int, default=4, help="number of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None, help="output folder (default: <output_dir>/<name>/bench)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate baselines")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tree total_tokens x depth")
+    parser.add_argument("--sweep-total", default="4,8,16,32", help="total_tokens values of the sweep")
+    parser.add_argument("--sweep-depth", default="1,2,4", help="depth values of the sweep")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise UserError(f"{flag} is empty")
+    return values
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from taps_ray.config import TreeConfig
+    from taps_ray.eval.bench import benchmark_prompts, run_bench, write_report
+    from taps_ray.models.target import TargetModel
+
+    cfg = _load(args)
+    if args.limit < 1 or args.max_new_tokens < 1:
+        raise UserError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
+    totals = _int_list(args.sweep_total, "--sweep-total") if args.sweep else None
+    depths = _int_list(args.sweep_depth, "--sweep-depth") if args.sweep else None
+    if totals:
+        try:
+            [TreeConfig(depth=d, top_k=cfg.tree.top_k, total_tokens=n) for d in depths for n in totals]
+        except ValueError as err:
+            raise UserError(f"invalid sweep values: {err}") from None
+    target = TargetModel.load(cfg.target)
+    drafter = _drafters(target, [args.drafter] if args.drafter else [], cfg.drafter.seed)[0]
+    prompts = benchmark_prompts(target, args.benchmark, args.limit)
+    report = run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
+                       sweep_total=totals, sweep_depth=depths,
+                       settings={"benchmark": args.benchmark, "drafter": args.drafter or "untrained (fresh init)"})
+    json_path, md_path = write_report(report, args.out or cfg.run_dir / "bench")
+    print(report.to_markdown())
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "prepare": ("compute and cache target features for the config's datasets", _add_prepare, _run_prepare),
+    "generate": ("generate a reply with plain or speculative decoding", _add_generate, _run_generate),
+    "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
 }
 
 

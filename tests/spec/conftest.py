@@ -8,10 +8,11 @@ import torch
 from tests.spec.spec_helpers import peaky_tiny_target
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """One intra-op thread: the models here are tiny or the machine is shared, and OpenMP spin-waits
-    between two threads make every small matmul ~100x slower under CPU contention."""
+    between two threads make every small matmul ~100x slower under CPU contention. Module scope, so it
+    is in force before the module-scoped fixtures that decode."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

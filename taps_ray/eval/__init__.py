@@ -1,0 +1,1 @@
+"""Evaluation: decode-speed benchmarks and benchmark x strategy runs."""

@@ -1,0 +1,265 @@
+"""Decode-speed benchmark of one target on the same prompts, in one run.
+
+Methods: ``vanilla`` (our plain decoding through ``TargetModel.forward``), ``hf-greedy`` (HF
+``generate``), ``hf-prompt-lookup`` (HF prompt-lookup decoding) and ``spec`` (our speculative
+decoding with one drafter). Methods run interleaved prompt by prompt so background load hits them
+alike. Speedups are tokens/s ratios to ``vanilla``; ``match`` is the share of prompts whose
+greedy output equals vanilla token for token. The optional sweep varies ``total_tokens`` and
+``depth`` and reports the break-even tau (spec step time / vanilla step time): a tree pays only
+where the drafter's tau exceeds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec import stats
+from taps_ray.spec.decoder import SingleStrategy, generate
+
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class Run:
+    """One generation: generated ``tokens``, wall ``seconds`` (prefill included), verification
+    ``steps`` (target forwards after the prefill) and our per-step records when available."""
+
+    tokens: list[int]
+    seconds: float
+    steps: int
+    records: list[stats.StepRecord] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return (len(self.tokens) - 1) / self.steps if self.steps else float("nan")
+
+
+Method = Callable[[torch.Tensor], Run]
+
+
+def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int) -> Method:
+    """Our decoder with a fresh strategy per prompt (greedy)."""
+
+    def run(ids: torch.Tensor) -> Run:
+        result = generate(target, ids, make_strategy(), None, max_new_tokens, collect_entropy=False)
+        return Run(result.token_ids, result.total_s, len(result.steps), result.steps)
+
+    return run
+
+
+def hf_generate(target: TargetModel, max_new_tokens: int, prompt_lookup: int | None = None) -> Method:
+    """HF ``generate`` greedy (``prompt_lookup`` = ``prompt_lookup_num_tokens`` for prompt lookup).
+
+    Steps are counted with a forward hook on the model (calls minus the prefill).
+    """
+    eos = sorted(target.eos_token_ids)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0] if eos else 0, prompt_lookup_num_tokens=prompt_lookup)
+
+    def run(ids: torch.Tensor) -> Run:
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        hook = target.model.register_forward_hook(count)
+        try:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out = target.model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                                            generation_config=config)
+                seconds = time.perf_counter() - start
+        finally:
+            hook.remove()
+        return Run(out[0, ids.numel():].tolist(), seconds, calls[0] - 1)
+
+    return run
+
+
+@dataclass
+class MethodRow:
+    method: str
+    prompts: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    tau: float
+    tau_per_question: float
+    steps: int
+    step_ms: float
+    speedup: float = float("nan")
+    match: float = float("nan")
+    note: str = ""
+
+
+def summarize_runs(method: str, runs: list[Run], note: str = "") -> MethodRow:
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    steps = sum(r.steps for r in runs)
+    appended = sum(len(r.tokens) - 1 for r in runs)
+    taus = [r.tau for r in runs if r.steps]
+    records = [rec for r in runs for rec in r.records]
+    step_ms = 1e3 * sum(rec.draft_s + rec.verify_s for rec in records) / len(records) if records else float("nan")
+    return MethodRow(method, len(runs), tokens, seconds, tokens / seconds, appended / steps if steps else float("nan"),
+                     sum(taus) / len(taus) if taus else float("nan"), steps, step_ms, note=note)
+
+
+@dataclass
+class BenchReport:
+    settings: dict
+    methods: list[MethodRow]
+    sweep: list[dict] = field(default_factory=list)
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "methods": [asdict(m) for m in self.methods], "sweep": self.sweep,
+                "outputs": self.outputs}
+
+    def to_markdown(self) -> str:
+        s = self.settings
+        lines = [
+            f"# Decode benchmark: {s['target']} on {s['benchmark']}",
+            "",
+            f"{s['prompts']} prompts, {s['max_new_tokens']} new tokens max, greedy, {s['dtype']} on {s['device']}, "
+            f"{s['threads']} torch threads, load average {s['load_before']} -> {s['load_after']}; "
+            f"drafter: {s['drafter']}; tree: {s['tree']}.",
+            "",
+            "| method | tokens | tok/s | speedup | tau | tau (per question) | step ms | match vanilla | note |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for m in self.methods:
+            lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x | {_fmt(m.tau)} | "
+                         f"{_fmt(m.tau_per_question)} | {_fmt(m.step_ms, 1)} | {m.match:.0%} | {m.note} |")
+        if self.sweep:
+            lines += [
+                "",
+                "## Tree sweep (spec strategy)",
+                "",
+                "A tree pays when tau exceeds the break-even tau = spec step time / vanilla step time.",
+                "",
+                "| depth | top_k | total_tokens | tau | tok/s | speedup | draft ms | verify ms | break-even tau |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for row in self.sweep:
+                lines.append(f"| {row['depth']} | {row['top_k']} | {row['total_tokens']} | {_fmt(row['tau'])} | "
+                             f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['draft_ms']:.1f} | "
+                             f"{row['verify_ms']:.1f} | {row['break_even_tau']:.2f} |")
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "-" if value != value else f"{value:.{digits}f}"
+
+
+def benchmark_prompts(target: TargetModel, benchmark: str, limit: int, seed: int = 0) -> list[torch.Tensor]:
+    """Chat-templated first turns [T] of ``limit`` questions of ``benchmark``."""
+    from taps_ray.data.benchmarks import load_benchmark
+
+    questions = load_benchmark(benchmark, limit=limit, seed=seed)
+    return [target.encode_chat([{"role": "user", "content": q.turns[0]}])[0] for q in questions]
+
+
+def run_methods(prompts: list[torch.Tensor], methods: dict[str, Method], desc: str = "bench") -> dict[str, list[Run]]:
+    """Run every method on every prompt, interleaved prompt by prompt, after one short warm-up each."""
+    runs: dict[str, list[Run]] = {name: [] for name in methods}
+    for method in methods.values():
+        method(prompts[0][:8])
+    for ids in tqdm(prompts, desc=desc, unit="prompt"):
+        for name, method in methods.items():
+            runs[name].append(method(ids))
+    return runs
+
+
+def run_bench(
+    target: TargetModel,
+    prompts: list[torch.Tensor],
+    drafter: DraftHead,
+    tree: TreeConfig,
+    max_new_tokens: int,
+    hf: bool = True,
+    sweep_total: list[int] | None = None,
+    sweep_depth: list[int] | None = None,
+    settings: dict | None = None,
+) -> BenchReport:
+    """Vanilla, HF greedy, HF prompt lookup and ``spec`` (one drafter, ``tree``) on ``prompts``."""
+    load_before = round(os.getloadavg()[0], 2)
+    methods: dict[str, Method] = {"vanilla": ours(target, lambda: None, max_new_tokens)}
+    if hf:
+        methods["hf-greedy"] = hf_generate(target, max_new_tokens)
+        methods["hf-prompt-lookup"] = hf_generate(target, max_new_tokens, PROMPT_LOOKUP_TOKENS)
+    methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens)
+    runs = run_methods(prompts, methods)
+    notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}",
+             "spec": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}"}
+    rows = [summarize_runs(name, method_runs, notes.get(name, "")) for name, method_runs in runs.items()]
+    base = rows[0]
+    for row in rows:
+        row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
+
+    sweep = []
+    if sweep_total or sweep_depth:
+        sweep = run_sweep(target, prompts, drafter, tree, max_new_tokens, runs["vanilla"],
+                          sweep_total or [tree.total_tokens], sweep_depth or [tree.depth])
+    info = {
+        "target": target.name, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "tree": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}",
+        "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "load_before": load_before, "load_after": round(os.getloadavg()[0], 2), **(settings or {}),
+    }
+    outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}
+    return BenchReport(info, rows, sweep, outputs)
+
+
+def run_sweep(
+    target: TargetModel,
+    prompts: list[torch.Tensor],
+    drafter: DraftHead,
+    tree: TreeConfig,
+    max_new_tokens: int,
+    vanilla: list[Run],
+    totals: list[int],
+    depths: list[int],
+) -> list[dict]:
+    """tau, speed and break-even tau of the spec strategy for each (depth, total_tokens)."""
+    vanilla_row = summarize_runs("vanilla", vanilla)
+    grid = [TreeConfig(depth=d, top_k=tree.top_k, total_tokens=n) for d in depths for n in totals]
+    methods = {f"d{cfg.depth}-n{cfg.total_tokens}": ours(target, lambda cfg=cfg: SingleStrategy(drafter, cfg),
+                                                           max_new_tokens) for cfg in grid}
+    runs = run_methods(prompts, methods, desc="sweep")
+    rows = []
+    for cfg, (name, method_runs) in zip(grid, runs.items()):
+        row = summarize_runs(name, method_runs)
+        records = [rec for r in method_runs for rec in r.records]
+        rows.append({
+            "depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens, "tau": row.tau,
+            "tokens_per_s": row.tokens_per_s, "speedup": row.tokens_per_s / vanilla_row.tokens_per_s,
+            "draft_ms": 1e3 * sum(r.draft_s for r in records) / len(records),
+            "verify_ms": 1e3 * sum(r.verify_s for r in records) / len(records),
+            "break_even_tau": row.step_ms / vanilla_row.step_ms,
+        })
+    return rows
+
+
+def write_report(report: BenchReport, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``bench.json`` and ``bench.md`` into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "bench.json", out / "bench.md"
+    json_path.write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    md_path.write_text(report.to_markdown())
+    return json_path, md_path
