@@ -19,17 +19,25 @@ from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
+from taps_ray.spec.compose import STRATEGY_NAMES, build_strategy
 from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
-from taps_ray.spec.verify import compact_target, process_logits, run_tree, verify_greedy, verify_sampling
+from taps_ray.spec.verify import (
+    Verdict,
+    compact_target,
+    process_logits,
+    run_tree,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 @dataclass
 class DecodeState:
-    """The shared prefix at the start of a step.
+    """The shared prefix at the start of a step (read-only for strategies).
 
     ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
-    cache), so ``prefix_len == L - 1`` is the root's position.
+    cache), so ``prefix_len == L - 1`` is the root's position; ``step`` counts verifications.
     """
 
     tokens: torch.Tensor
@@ -134,7 +142,7 @@ class GenerationResult:
         return out
 
 
-STRATEGIES = ("vanilla", "single")
+STRATEGIES = STRATEGY_NAMES
 
 
 def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 0) -> DraftHead:
@@ -146,14 +154,9 @@ def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 
 
 
 def make_strategy(name: str, drafters: list[DraftHead] | None = None, tree: TreeConfig | None = None) -> Strategy:
-    """A strategy by name: ``vanilla`` (no drafter) or ``single`` (the first of ``drafters``)."""
-    if name == "vanilla":
-        return VanillaStrategy()
-    if name == "single":
-        if not drafters:
-            raise ValueError("strategy 'single' needs a drafter")
-        return SingleStrategy(drafters[0], tree)
-    raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+    """A strategy by name (:data:`STRATEGIES`, see :mod:`taps_ray.spec.compose`) over ``drafters`` in order;
+    ValueError for an unknown name or too few drafters."""
+    return build_strategy(name, drafters or [], tree)
 
 
 def check_sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
@@ -266,6 +269,9 @@ def generate(
             features = out.hidden[0]
             accepted, tree_size, tree_depth = 0, 1, 0
         else:
+            if tree.prefix_len != r:
+                raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
+                                   f"the target is at {r}")
             if tree.size > target.max_context - r:
                 tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
             out = run_tree(target, tree, cache)
@@ -303,7 +309,7 @@ def generate(
                             strategy=strategy.name, prefill_s=prefill_s, total_s=total_s, steps=steps)
 
 
-def _entropies(tree: DraftTree, logits: torch.Tensor, verdict) -> dict:
+def _entropies(tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> dict:
     """Draft / target entropies of the accepted tokens and of the rejected one (NaN when none)."""
     target_entropy = _token_entropy(logits[verdict.path])
     rejected = verdict.rejected

@@ -180,8 +180,7 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
                                                       "mean", include_self=False)
     sources = torch.zeros(next_id, len(trees), dtype=torch.bool)
     sources[merged, source] = True
-    tree = build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
-    return tree
+    return build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
 
 
 class DrafterState:

@@ -33,6 +33,10 @@ class Verdict:
     def accepted(self) -> int:
         return self.path.numel() - 1
 
+    @property
+    def bonus(self) -> torch.Tensor:
+        return self.tokens[-1]
+
 
 def tree_attention(tree: DraftTree, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive mask [1, 1, N, r + N] (every node sees the prefix and its ancestors) and positions [1, N]."""
