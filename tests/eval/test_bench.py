@@ -1,0 +1,41 @@
+"""The decode benchmark on a tiny target: every method runs, greedy outputs agree, files are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.eval.bench import run_bench, write_report
+from taps_ray.models.drafter import DraftHead
+from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_tiny_target(tmp_path, one_thread):
+    target = peaky_tiny_target(0)
+    prompts = [random_prompt(target, 12, seed) for seed in range(2)]
+    report = run_bench(target, prompts, DraftHead(target.config, seed=1), TreeConfig(depth=2, top_k=3, total_tokens=8),
+                       max_new_tokens=10, sweep_total=[4, 8], sweep_depth=[1], settings={"benchmark": "random",
+                                                                                          "drafter": "fresh"})
+    rows = {row.method: row for row in report.methods}
+    assert list(rows) == ["vanilla", "hf-greedy", "hf-prompt-lookup", "spec"]
+    for row in rows.values():
+        assert row.match == 1.0 and row.prompts == 2 and row.tokens == 20 and row.tokens_per_s > 0
+    assert rows["vanilla"].speedup == 1.0 and rows["vanilla"].tau == 1.0 and rows["hf-greedy"].tau == 1.0
+    assert rows["hf-prompt-lookup"].tau >= 1.0 and rows["spec"].steps >= 2
+    assert [(r["depth"], r["total_tokens"]) for r in report.sweep] == [(1, 4), (1, 8)]
+    assert all(r["break_even_tau"] > 0 and r["vanilla_ms"] > 0 for r in report.sweep)
+    json_path, md_path = write_report(report, tmp_path / "bench")
+    assert json.loads(json_path.read_text())["outputs"]["spec"] == report.outputs["vanilla"]
+    markdown = md_path.read_text()
+    assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
