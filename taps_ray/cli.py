@@ -59,7 +59,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="user message (the target's chat template is applied)")
     parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
                         help="drafter checkpoint directory (repeatable; 'single' uses the first)")
-    parser.add_argument("--strategy", choices=["vanilla", "single"], default="single")
+    parser.add_argument("--strategy", default="single",
+                        help="vanilla, single, averaged[:ALPHA], routed:confidence[:step|:request], "
+                             "routed:entropy[:step|:request], merged:union, merged:budget (K >= 2 via --drafter)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: config sampling)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -156,9 +158,133 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- eval / report / average ---------------------------------------------------------------------
+
+def _add_eval(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--benchmarks", default=None, help="comma-separated subset of mt_bench,gsm8k,math_500,svamp")
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated strategy names, e.g. single,averaged,routed:confidence,merged:budget "
+                             "(vanilla always runs, for the speedup)")
+    parser.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1")
+    parser.add_argument("--limit", type=int, default=None, help="questions per benchmark")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per turn")
+    parser.add_argument("--drafters", default=None, metavar="NAME=DIR,...",
+                        help="drafter roles, e.g. math=runs/demo/drafters/hass-math,chat=runs/demo/drafters/hass-chat "
+                             "(DIR may be random:SEED for an untrained drafter)")
+    parser.add_argument("--alphas", default=None, help="alpha grid of averaged:ALPHA runs, e.g. 0,0.25,0.5,0.75,1")
+    parser.add_argument("--actors", type=int, default=None, help="Ray actors (0: run in this process)")
+    parser.add_argument("--out", default=None, help="run folder (default: <output_dir>/<name>/eval)")
+
+
+def _eval_overrides(args: argparse.Namespace) -> list[str]:
+    def items(text: str) -> list[str]:
+        return [v.strip() for v in text.split(",") if v.strip()]
+
+    def floats(text: str, flag: str) -> list[float]:
+        try:
+            return [float(v) for v in items(text)]
+        except ValueError:
+            raise UserError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+    given = {"benchmarks": args.benchmarks and items(args.benchmarks),
+             "strategies": args.strategies and items(args.strategies),
+             "temperatures": args.temperatures and floats(args.temperatures, "--temperatures"),
+             "alphas": args.alphas and floats(args.alphas, "--alphas"),
+             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "num_actors": args.actors}
+    if args.drafters:
+        pairs = [item.split("=", 1) for item in items(args.drafters)]
+        if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+            raise UserError(f"--drafters must look like NAME=DIR,NAME=DIR, got {args.drafters!r}")
+        given["drafters"] = dict(pairs)
+    return [f"eval.{k}={json.dumps(v)}" for k, v in given.items() if v is not None]
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from taps_ray.eval.report import build_tables, markdown_table
+    from taps_ray.eval.runner import read_records, run_eval
+
+    cfg = load_config(args.config, list(args.overrides) + _eval_overrides(args))
+    out = run_eval(cfg, args.out)
+    tables, data = build_tables(read_records(out))
+    for t in data.temperatures:
+        rows = [r for r in tables["speed"] if r["temperature"] == t]
+        print(f"T={t:g}\n" + markdown_table(rows, ["strategy", "questions", "tau", "tokens_per_s", "speedup", "tree_size"]))
+    print(f"wrote {out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+def _add_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="an evaluation run folder (holds records.jsonl)")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from taps_ray.eval.report import write_report
+
+    print(write_report(args.dir))
+    return 0
+
+
+def _add_average(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--drafter", action="append", default=[], metavar="DIR", help="drafter checkpoint (2 or more)")
+    parser.add_argument("--alpha", type=float, default=None, help="two drafters: alpha * first + (1 - alpha) * second")
+    parser.add_argument("--weights", default=None, help="comma-separated weights, one per drafter, summing to 1")
+    parser.add_argument("--out", required=True, help="folder of the averaged checkpoint")
+
+
+def _run_average(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from taps_ray.models.drafter import average_drafters
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.compose import StrategySpec, averaging_weights
+
+    if len(args.drafter) < 2:
+        raise UserError(f"give at least two --drafter folders, got {len(args.drafter)}")
+    if args.alpha is not None and args.weights is not None:
+        raise UserError("give --alpha or --weights, not both")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
+    try:
+        given = [float(w) for w in args.weights.split(",")] if args.weights else None
+    except ValueError:
+        raise UserError(f"--weights must be comma-separated numbers, got {args.weights!r}") from None
+    weights = averaging_weights(StrategySpec("averaged", alpha=args.alpha), len(args.drafter), given)
+    cfg = _load(args)
+    target = TargetModel.load(cfg.target)
+    heads = _drafters(target, args.drafter, cfg.drafter.seed)
+    merged = average_drafters(heads, weights)
+    merged.metadata.update(name=Path(args.out).name, averaged_from=[str(Path(d).resolve()) for d in args.drafter])
+    path = merged.save(args.out, target.fingerprint)
+    print(f"wrote {path}: " + " + ".join(f"{w:g} * {d}" for w, d in zip(weights, args.drafter)))
+    return 0
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+def _add_serve(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from taps_ray.serving.app import run
+
+    cfg = _load(args)
+    if args.port is not None and not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    run(cfg, args.host, args.port)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "prepare": ("compute and cache target features for the config's datasets", _add_prepare, _run_prepare),
     "generate": ("generate a reply with plain or speculative decoding", _add_generate, _run_generate),
+    "eval": ("benchmarks x strategies x temperatures on Ray actors, then the report", _add_eval, _run_eval),
+    "report": ("regenerate an evaluation run's report from its records", _add_report, _run_report),
+    "average": ("average drafter checkpoints in weight space", _add_average, _run_average),
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
 }
 

@@ -155,6 +155,47 @@ class DrafterConfig(Strict):
     seed: int = 0
 
 
+class EvalConfig(Strict):
+    """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions each.
+
+    ``drafters``: role name -> checkpoint folder, or ``random:SEED`` for a fresh untrained drafter
+    (empty: two fresh drafters ``fresh0``/``fresh1``). Claims use the roles ``math``, ``chat`` and
+    ``mixed``. ``compose`` (None: every drafter, in order) are the drafters that averaged, routed and
+    merged strategies combine; ``single`` runs once per drafter. ``alphas``: extra ``averaged:ALPHA``
+    runs of the first two ``compose`` drafters (the tau-vs-alpha curve). ``probe_steps`` /
+    ``recheck_every`` set request-granularity routing (0: decide once per turn). ``num_actors`` Ray
+    actors (0: in-process), each with ``threads`` torch threads (None: the cores split evenly).
+    ``out``: the run folder (None: ``<output_dir>/<name>/eval``).
+    """
+
+    benchmarks: list[str] = Field(default_factory=lambda: ["mt_bench", "gsm8k", "math_500", "svamp"], min_length=1)
+    strategies: list[str] = Field(default_factory=lambda: [
+        "vanilla", "single", "averaged", "routed:confidence", "routed:entropy", "merged:union", "merged:budget"],
+        min_length=1)
+    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=lambda: [0.0], min_length=1)
+    limit: int | None = Field(default=10, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    drafters: dict[str, str] = Field(default_factory=dict)
+    compose: list[str] | None = None
+    alphas: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list)
+    probe_steps: int = Field(default=2, ge=1)
+    recheck_every: int = Field(default=0, ge=0)
+    num_actors: int = Field(default=1, ge=0)
+    threads: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    out: str | None = None
+
+    @model_validator(mode="after")
+    def _drafter_names(self) -> EvalConfig:
+        for name in self.drafters:
+            if not name or not all(c.isalnum() or c in "_-." for c in name):
+                raise ValueError(f"drafter name {name!r}: use letters, digits, '_', '-', '.'")
+        unknown = [n for n in self.compose or [] if n not in self.drafters]
+        if unknown and self.drafters:
+            raise ValueError(f"compose names unknown drafter(s) {unknown}; drafters: {sorted(self.drafters)}")
+        return self
+
+
 class ExperimentConfig(Strict):
     name: str = "demo"
     output_dir: str = "runs"
@@ -164,6 +205,7 @@ class ExperimentConfig(Strict):
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     tree: TreeConfig = Field(default_factory=TreeConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     extra: Annotated[dict[str, Any], Field(default_factory=dict, description="free-form notes")]
 
     @model_validator(mode="after")

@@ -1,0 +1,497 @@
+"""``taps eval``: benchmarks x strategies x temperatures on the same prompts, sharded over Ray actors.
+
+A work unit is one question at one temperature: every strategy still missing for it (``vanilla``
+included, for the speedup) runs back to back on one actor, so background load hits them alike.
+Each actor loads the target and the drafters once. A question's turns run as one conversation:
+turn 2 is asked after the strategy's own answer to turn 1 (MT-Bench). The driver appends one JSON
+record per (benchmark, question, strategy, temperature) to ``DIR/records.jsonl`` as units finish;
+a rerun skips finished records, so an interrupted run resumes. ``DIR/run.json`` holds what the
+records depend on (target, tree, drafters, decoding settings); a folder holding a run with other
+settings is refused.
+
+Strategy names are those of :mod:`taps_ray.spec.compose`; ``single`` runs once per drafter
+(``single:NAME``), ``averaged`` of two drafters is ``averaged:0.5``, and ``eval.alphas`` add
+``averaged:ALPHA`` runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from taps_ray.config import EvalConfig, ExperimentConfig, SamplingConfig, TargetConfig, TreeConfig
+from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, load_benchmark
+from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec.compose import build_strategy, parse_strategy
+from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
+
+log = logging.getLogger(__name__)
+
+RECORDS = "records.jsonl"
+RUN_FILE = "run.json"
+RANDOM_PREFIX = "random:"
+DEFAULT_DRAFTERS = {"fresh0": "random:0", "fresh1": "random:1"}
+
+
+class EvalError(ValueError):
+    """The evaluation cannot run as asked; the message says why."""
+
+
+@dataclass
+class EvalPlan:
+    """Everything a worker needs, resolved from the config (plain data, sent to Ray actors).
+
+    ``strategies`` are concrete names in run order (vanilla first); ``drafters`` name -> folder or
+    ``random:SEED``; ``compose`` the drafters that composed strategies combine, in order.
+    """
+
+    target: dict
+    tree: dict
+    benchmarks: list[str]
+    strategies: list[str]
+    temperatures: list[float]
+    limit: int | None
+    max_new_tokens: int
+    drafters: dict[str, str]
+    compose: list[str]
+    top_p: float = 1.0
+    top_k: int = 0
+    probe_steps: int = 2
+    recheck_every: int = 0
+    seed: int = 0
+    num_actors: int = 1
+    threads: int | None = None
+    drafter_ids: dict[str, dict] = field(default_factory=dict)
+
+    def identity(self) -> dict:
+        """The settings existing records depend on: a resumed run must match them."""
+        return {
+            "target": {k: self.target.get(k) for k in ("model", "dtype", "max_context")},
+            "tree": self.tree,
+            "max_new_tokens": self.max_new_tokens,
+            "sampling": {"top_p": self.top_p, "top_k": self.top_k, "seed": self.seed},
+            "routing": {"probe_steps": self.probe_steps, "recheck_every": self.recheck_every},
+            "drafters": self.drafter_ids,
+            "compose": self.compose,
+        }
+
+    def drafters_of(self, strategy: str) -> list[str]:
+        return drafters_of(strategy, self.compose)
+
+
+def drafters_of(strategy: str, compose: list[str]) -> list[str]:
+    """Names of the drafters ``strategy`` uses, in order."""
+    spec = parse_strategy(strategy)
+    if spec.kind == "vanilla":
+        return []
+    if spec.kind == "single":
+        return [spec.drafter]
+    return list(compose)
+
+
+def _drafter_identity(name: str, source: str) -> dict:
+    if source.startswith(RANDOM_PREFIX):
+        try:
+            return {"random_seed": int(source[len(RANDOM_PREFIX):])}
+        except ValueError:
+            raise EvalError(f"drafter {name!r}: {source!r} must be random:SEED with an integer seed") from None
+    path = Path(source)
+    if not (path / WEIGHTS_NAME).is_file():
+        raise EvalError(f"drafter {name!r}: {str(path)!r} is not a drafter checkpoint folder (no {WEIGHTS_NAME}); "
+                        "train it first (taps train) or pass random:SEED for an untrained drafter")
+    digest = hashlib.sha256(path.joinpath(WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
+    return {"path": str(path.resolve()), "sha256": digest}
+
+
+def expand_strategies(names: Iterable[str], drafters: list[str], compose: list[str], alphas: Iterable[float] = ()) -> list[str]:
+    """Concrete strategy names in run order: vanilla first, ``single`` once per drafter, ``averaged`` of
+    two drafters as ``averaged:0.5``, one ``averaged:ALPHA`` per alpha; EvalError for unknown names or
+    too few drafters."""
+    out = ["vanilla"]
+    for name in list(names) + [f"averaged:{a:g}" for a in alphas]:
+        try:
+            spec = parse_strategy(name)
+        except ValueError as err:
+            raise EvalError(str(err)) from None
+        if spec.kind == "single" and spec.drafter is None:
+            concrete = [f"single:{n}" for n in drafters]
+        elif spec.kind == "single" and spec.drafter not in drafters:
+            raise EvalError(f"strategy {name!r}: no drafter named {spec.drafter!r}; drafters: {drafters}")
+        elif spec.kind == "averaged" and spec.alpha is None and len(compose) == 2:
+            concrete = ["averaged:0.5"]
+        else:
+            if spec.kind == "averaged" and spec.alpha is not None and len(compose) != 2:
+                raise EvalError(f"strategy {spec.name!r} interpolates two drafters; compose has {compose}")
+            if spec.kind != "vanilla" and len(compose) < spec.min_drafters:
+                raise EvalError(f"strategy {spec.name!r} needs at least {spec.min_drafters} drafters; "
+                                f"eval.drafters/compose give {compose}")
+            concrete = [spec.name]
+        out += [c for c in concrete if c not in out]
+    return out
+
+
+def make_plan(cfg: ExperimentConfig) -> EvalPlan:
+    """Resolve ``cfg.eval`` against the experiment: concrete strategies, drafter identities, checks."""
+    ev: EvalConfig = cfg.eval
+    unknown = [b for b in ev.benchmarks if b not in BENCHMARKS]
+    if unknown:
+        raise EvalError(f"unknown benchmark(s) {unknown}; valid: {', '.join(BENCHMARKS)}")
+    drafters = dict(ev.drafters)
+    if not drafters:
+        log.warning("eval.drafters is empty: using two fresh untrained drafters %s", DEFAULT_DRAFTERS)
+        drafters = dict(DEFAULT_DRAFTERS)
+    compose = list(ev.compose) if ev.compose else list(drafters)
+    missing = [n for n in compose if n not in drafters]
+    if missing:
+        raise EvalError(f"eval.compose names unknown drafter(s) {missing}; drafters: {list(drafters)}")
+    strategies = expand_strategies(ev.strategies, list(drafters), compose, ev.alphas)
+    used = {n for s in strategies for n in drafters_of(s, compose)}
+    ids = {name: _drafter_identity(name, src) for name, src in drafters.items() if name in used}
+    return EvalPlan(
+        target=cfg.target.model_dump(), tree=cfg.tree.model_dump(), benchmarks=list(ev.benchmarks),
+        strategies=strategies, temperatures=[float(t) for t in ev.temperatures], limit=ev.limit,
+        max_new_tokens=ev.max_new_tokens, drafters={n: drafters[n] for n in drafters if n in used}, compose=compose,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, probe_steps=ev.probe_steps,
+        recheck_every=ev.recheck_every, seed=ev.seed, num_actors=ev.num_actors, threads=ev.threads, drafter_ids=ids,
+    )
+
+
+# -- one question ---------------------------------------------------------------------------------
+
+def conversation_ids(target: TargetModel, turns: list[str], answers: list[GenerationResult]) -> torch.Tensor:
+    """Prompt ids [T] for the next turn: the user ``turns`` so far with the earlier ``answers`` between them.
+
+    With a tokenizer this is the chat template over the texts; a tokenizer-less (test) target gets
+    byte ids per user turn (``2 + byte % (V - 2)`` after a marker) and the answers' token ids.
+    """
+    if target.tokenizer is not None:
+        messages = []
+        for i, text in enumerate(turns):
+            messages.append({"role": "user", "content": text})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": answers[i].text or ""})
+        return target.encode_chat(messages)[0]
+    ids: list[int] = []
+    for i, text in enumerate(turns):
+        ids += [2] + [2 + b % (target.vocab_size - 2) for b in text.encode()[:48]]
+        if i < len(answers):
+            ids += answers[i].token_ids
+    return torch.tensor(ids, dtype=torch.long, device=target.device)
+
+
+def sampling_seed(question: BenchmarkQuestion, turn: int, base: int) -> int:
+    """The sampling seed of one turn: the same for every strategy, independent of shard and order."""
+    return (zlib.crc32(f"{question.benchmark}/{question.question_id}/{turn}".encode()) + base) % 2**31
+
+
+def _num(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _nums(value) -> list:
+    if value is None:
+        return []
+    return [None if math.isnan(v) else round(v, 4) for v in torch.as_tensor(value).reshape(-1).tolist()]
+
+
+def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str], temperature: float,
+                results: list[GenerationResult]) -> dict:
+    """One JSON-ready record of a question's turns decoded with ``strategy`` (per-step lists over all turns)."""
+    steps = [s for r in results for s in r.steps]
+    new_tokens = [len(r.token_ids) for r in results]
+    total_s = sum(r.total_s for r in results)
+    appended = sum(s.appended for s in steps)
+    record = {
+        "benchmark": question.benchmark, "question_id": question.question_id, "category": question.category,
+        "strategy": strategy, "drafters": drafters, "temperature": temperature,
+        "turns": len(results), "prompt_tokens": [r.prompt_len for r in results], "new_tokens": new_tokens,
+        "finish": [r.finish_reason for r in results],
+        "output_crc": [zlib.crc32(json.dumps(r.token_ids).encode()) for r in results],
+        "turn_steps": [len(r.steps) for r in results], "steps": len(steps), "appended": appended,
+        "tau": appended / len(steps) if steps else None,
+        "accepted": [s.accepted for s in steps], "step_appended": [s.appended for s in steps],
+        "tree_size": [s.tree_size for s in steps], "tree_depth": [int(s.tree_depth) for s in steps],
+        "prefill_s": sum(r.prefill_s for r in results), "draft_s": sum(s.draft_s for s in steps),
+        "verify_s": sum(s.verify_s for s in steps), "total_s": total_s,
+        "tokens_per_s": sum(new_tokens) / total_s if total_s > 0 else None,
+    }
+    if strategy != "vanilla":
+        record.update(
+            draft_entropy=[_nums(s.draft_entropy) for s in steps],
+            target_entropy=[_nums(s.target_entropy) for s in steps],
+            rejected_draft_entropy=[None if s.rejected_draft_entropy is None else _num(s.rejected_draft_entropy)
+                                    for s in steps],
+            rejected_target_entropy=[None if s.rejected_target_entropy is None else _num(s.rejected_target_entropy)
+                                     for s in steps],
+        )
+    if strategy.startswith("routed:"):
+        record.update(
+            routes=[s.meta.get("route") for s in steps],
+            signals=[_nums(s.meta.get("signals")) for s in steps],
+            probes=[bool(s.meta.get("probe")) for s in steps],
+            decisions=[next((s.meta.get("decision") for s in r.steps if s.meta.get("decision")), None)
+                       for r in results],
+        )
+    if strategy.startswith("merged:"):
+        record.update(
+            union_size=[int(s.meta.get("union_size", s.tree_size)) for s in steps],
+            shared_nodes=[int(s.meta.get("shared_nodes", 0)) for s in steps],
+            node_sources=[_nums(s.meta.get("node_sources")) for s in steps],
+        )
+    return record
+
+
+def record_key(record: dict) -> tuple:
+    return record["benchmark"], str(record["question_id"]), record["strategy"], float(record["temperature"])
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+@dataclass
+class Unit:
+    """One question at one temperature and the strategies still to run on it."""
+
+    question: BenchmarkQuestion
+    temperature: float
+    strategies: list[str]
+
+
+class EvalWorker:
+    """Holds the target, the drafters and one strategy object per strategy; runs units.
+
+    ``target_factory`` (picklable, no arguments) replaces ``TargetModel.load(plan.target)``.
+    """
+
+    def __init__(self, plan: EvalPlan, target_factory: Callable[[], TargetModel] | None = None, warmup: bool = True):
+        if plan.threads:
+            torch.set_num_threads(plan.threads)
+        self.plan = plan
+        self.target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
+        self.drafters: dict[str, DraftHead] = {}
+        for name, source in plan.drafters.items():
+            seed = int(source[len(RANDOM_PREFIX):]) if source.startswith(RANDOM_PREFIX) else 0
+            head = load_drafter(self.target, None if source.startswith(RANDOM_PREFIX) else source, seed)
+            head.metadata.setdefault("name", name)
+            self.drafters[name] = head
+        tree = TreeConfig(**plan.tree)
+        self.strategies = {
+            name: build_strategy(name, {n: self.drafters[n] for n in plan.drafters_of(name)}, tree,
+                                 probe_steps=plan.probe_steps, recheck_every=plan.recheck_every)
+            for name in plan.strategies
+        }
+        if warmup:
+            ids = torch.arange(2, 10, device=self.target.device) % self.target.vocab_size
+            for strategy in self.strategies.values():
+                generate(self.target, ids, strategy, None, 3, collect_entropy=True)
+
+    def run(self, unit: Unit) -> list[dict]:
+        """Records of ``unit``'s strategies, in order."""
+        records = []
+        for name in unit.strategies:
+            strategy = self.strategies[name]
+            results: list[GenerationResult] = []
+            for turn in range(len(unit.question.turns)):
+                ids = conversation_ids(self.target, unit.question.turns[:turn + 1], results)
+                sampling = SamplingConfig(temperature=unit.temperature, top_p=self.plan.top_p, top_k=self.plan.top_k,
+                                          seed=sampling_seed(unit.question, turn, self.plan.seed))
+                results.append(generate(self.target, ids, strategy, sampling, self.plan.max_new_tokens))
+            record = make_record(unit.question, name, self.plan.drafters_of(name), unit.temperature, results)
+            record["worker"] = os.getpid()
+            records.append(record)
+        return records
+
+
+# -- the run folder -------------------------------------------------------------------------------
+
+def read_records(path: str | Path) -> list[dict]:
+    """Records of ``path`` (``records.jsonl`` or its folder), first of each key; unreadable lines (an
+    interrupted write) are skipped."""
+    path = Path(path)
+    path = path / RECORDS if path.is_dir() else path
+    if not path.is_file():
+        return []
+    seen, out = set(), []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            key = record_key(record)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        if key not in seen:
+            seen.add(key)
+            out.append(record)
+    return out
+
+
+def _rewrite(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} in the folder, {b!r} now")
+    return out
+
+
+def open_run(out: Path, plan: EvalPlan) -> list[dict]:
+    """Check ``out`` against ``plan`` (EvalError naming the differing settings), write ``run.json`` and
+    return the finished records (a torn last line is dropped from the file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_file = out / RUN_FILE
+    identity = plan.identity()
+    previous = {}
+    if run_file.is_file():
+        previous = json.loads(run_file.read_text())
+        diff = _differences(previous.get("identity", {}), identity)
+        if diff:
+            raise EvalError(f"{out} holds an evaluation run with other settings ({'; '.join(diff)}); "
+                            "use another --out or delete that folder")
+    elif (out / RECORDS).is_file():
+        raise EvalError(f"{out} has {RECORDS} but no {RUN_FILE}: not a folder of this run; use another --out")
+
+    def union(key: str, values: list) -> list:
+        return list(dict.fromkeys([*previous.get(key, []), *values]))
+
+    meta = {
+        "identity": identity,
+        "benchmarks": union("benchmarks", plan.benchmarks),
+        "strategies": union("strategies", plan.strategies),
+        "temperatures": union("temperatures", plan.temperatures),
+        "limits": union("limits", [plan.limit]),
+        "drafters": {**previous.get("drafters", {}), **plan.drafters},
+        "created": previous.get("created", time.strftime("%Y-%m-%dT%H:%M:%S")),
+    }
+    run_file.write_text(json.dumps(meta, indent=1))
+    path = out / RECORDS
+    records = read_records(path)
+    if path.is_file() and len(path.read_text().splitlines()) != len(records):
+        _rewrite(path, records)
+    return records
+
+
+def plan_units(plan: EvalPlan, questions: dict[str, list[BenchmarkQuestion]], done: set[tuple]) -> list[Unit]:
+    """Units still to run, interleaved across benchmarks (question-major, then temperature)."""
+    units = []
+    longest = max((len(q) for q in questions.values()), default=0)
+    for i in range(longest):
+        for bench in plan.benchmarks:
+            if i >= len(questions.get(bench, [])):
+                continue
+            question = questions[bench][i]
+            for temperature in plan.temperatures:
+                todo = [s for s in plan.strategies
+                        if (bench, str(question.question_id), s, temperature) not in done]
+                if todo:
+                    units.append(Unit(question, temperature, todo))
+    return units
+
+
+def _append(handle, records: list[dict]) -> None:
+    handle.write("".join(json.dumps(r) + "\n" for r in records))
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _run_local(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], None], target_factory) -> None:
+    worker = EvalWorker(plan, target_factory)
+    for unit in units:
+        emit(worker.run(unit))
+
+
+def _run_ray(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], None], target_factory) -> None:
+    from taps_ray.ray_utils import init_ray
+
+    ray = init_ray()
+    actors_n = max(1, min(plan.num_actors, len(units)))
+    threads = plan.threads or max(1, (os.cpu_count() or 1) // actors_n)
+    device = str(plan.target.get("device"))
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= actors_n and (device == "auto" or device.startswith("cuda"))
+    remote = ray.remote(EvalWorker).options(num_cpus=1, num_gpus=1 if use_gpu else 0)
+    actor_plan = EvalPlan(**{**asdict(plan), "threads": threads})
+    actors = [remote.remote(actor_plan, target_factory) for _ in range(actors_n)]
+    queue = list(units)
+    pending = {}
+    try:
+        for actor in actors:
+            if queue:
+                pending[actor.run.remote(queue.pop(0))] = actor
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            actor = pending.pop(ready[0])
+            emit(ray.get(ready[0]))
+            if queue:
+                pending[actor.run.remote(queue.pop(0))] = actor
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def load_questions(plan: EvalPlan) -> dict[str, list[BenchmarkQuestion]]:
+    return {name: load_benchmark(name, limit=plan.limit, seed=plan.seed) for name in plan.benchmarks}
+
+
+def run_eval(
+    cfg: ExperimentConfig,
+    out: str | Path | None = None,
+    *,
+    questions: dict[str, list[BenchmarkQuestion]] | None = None,
+    target_factory: Callable[[], TargetModel] | None = None,
+    report: bool = True,
+) -> Path:
+    """Run (or resume) the evaluation of ``cfg.eval`` into ``out`` and write the report; returns ``out``.
+
+    ``questions`` (benchmark -> questions) replaces loading the benchmarks; ``target_factory`` replaces
+    loading ``cfg.target`` (both for tests). ``eval.num_actors == 0`` runs in this process.
+    """
+    plan = make_plan(cfg)
+    out = Path(out or cfg.eval.out or cfg.run_dir / "eval")
+    done_records = open_run(out, plan)
+    if questions is None:
+        questions = load_questions(plan)
+    else:
+        questions = {b: questions[b][:plan.limit] for b in plan.benchmarks if b in questions}
+    done = {record_key(r) for r in done_records}
+    units = plan_units(plan, questions, done)
+    total = sum(len(u.strategies) for u in units)
+    log.info("eval: %d strategies x %d temperatures on %s; %d records done, %d to run in %d units",
+             len(plan.strategies), len(plan.temperatures), {b: len(q) for b, q in questions.items()},
+             len(done_records), total, len(units))
+    if units:
+        start, finished = time.perf_counter(), 0
+        with open(out / RECORDS, "a") as handle:
+
+            def emit(records: list[dict]) -> None:
+                nonlocal finished
+                _append(handle, records)
+                finished += len(records)
+                first = records[0]
+                taus = ", ".join(f"{r['strategy']} {r['tau']:.2f}" for r in records if r["tau"] is not None)
+                log.info("[%d/%d %.0fs] %s q%s T=%g: %s", finished, total, time.perf_counter() - start,
+                         first["benchmark"], first["question_id"], first["temperature"], taus)
+
+            runner = _run_local if plan.num_actors == 0 else _run_ray
+            runner(plan, units, emit, target_factory)
+    if report:
+        from taps_ray.eval.report import write_report
+
+        write_report(out)
+    return out

@@ -1,0 +1,343 @@
+"""Composing drafters (TAPS): single, averaged, routed (confidence | entropy), merged (union | budget).
+
+Every strategy drafts from the same prefix with K >= 1 drafters of one target; ``N`` is
+``tree_cfg.total_tokens`` (verified nodes of one tree, root included).
+
+- ``single[:NAME]``: one drafter's EAGLE-2 tree.
+- ``averaged[:ALPHA]``: one drafter whose weights are ``alpha * theta_A + (1 - alpha) * theta_B``
+  (two drafters), or the uniform average of K drafters (no ALPHA), then as ``single``.
+- ``routed:SIGNAL[:GRANULARITY]``: verify the tree of one drafter, chosen by the mean node
+  confidence ``exp(score)`` (higher wins) or the mean node entropy (lower wins) over non-root
+  nodes. ``step`` drafts with all K and picks every step (the TAPS default for confidence);
+  ``request`` decides from the mean signal of a probe window of ``probe_steps`` steps, then drafts
+  with the chosen drafter only, re-probing every ``recheck_every`` steps (0: never, i.e. once per
+  turn, the TAPS default for entropy). Drafters left out keep their accepted pairs queued and run
+  them all at once when they next draft.
+- ``merged:union``: the trie union of the K trees (identical root paths become one node), verified
+  at once; its size is about ``1 + K (N - 1)``.
+- ``merged:budget``: the union pruned to the root plus its ``N - 1`` most confident nodes
+  (ancestor-closed), so it costs one tree's verification.
+
+Each proposed tree carries its decision in ``tree.meta``, which the decoder records per step:
+routed: ``route`` (drafter name), ``route_index``, ``signal``, ``signals`` [K] (every drafter's
+signal this step, NaN for drafters that did not draft), ``probe``, and for ``request``
+``decision`` (the request's current choice, None before the first); merged: ``tree_sizes`` [K],
+``union_size``, ``verified_size``, ``node_sources`` [K] (verified nodes each drafter proposed),
+``shared_nodes`` (verified nodes proposed by more than one drafter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead, average_drafters
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees, rerank
+
+if TYPE_CHECKING:
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.decoder import DecodeState, Strategy
+
+SIGNALS = ("confidence", "entropy")
+GRANULARITIES = ("step", "request")
+MERGES = ("union", "budget")
+DEFAULT_GRANULARITY = {"confidence": "step", "entropy": "request"}
+STRATEGY_NAMES = (
+    "vanilla",
+    "single[:NAME]",
+    "averaged[:ALPHA]",
+    "routed:confidence[:step|:request]",
+    "routed:entropy[:step|:request]",
+    "merged:union",
+    "merged:budget",
+)
+_SIZE_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A parsed strategy name; :attr:`name` is its canonical spelling (granularity always explicit)."""
+
+    kind: str
+    signal: str | None = None
+    granularity: str | None = None
+    merge: str | None = None
+    alpha: float | None = None
+    drafter: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind == "single":
+            return "single" if self.drafter is None else f"single:{self.drafter}"
+        if self.kind == "averaged":
+            return "averaged" if self.alpha is None else f"averaged:{self.alpha:g}"
+        if self.kind == "routed":
+            return f"routed:{self.signal}:{self.granularity}"
+        if self.kind == "merged":
+            return f"merged:{self.merge}"
+        return self.kind
+
+    @property
+    def min_drafters(self) -> int:
+        return {"vanilla": 0, "single": 1}.get(self.kind, 2)
+
+
+def _unknown(name: str, why: str = "") -> ValueError:
+    return ValueError(f"unknown strategy {name!r}{why}; valid: {', '.join(STRATEGY_NAMES)}")
+
+
+def parse_strategy(name: str | StrategySpec) -> StrategySpec:
+    """The :class:`StrategySpec` of ``name`` (see :data:`STRATEGY_NAMES`); ValueError listing the valid
+    names when it is not one of them, or when ALPHA is not a number in [0, 1]."""
+    if isinstance(name, StrategySpec):
+        return name
+    if not isinstance(name, str):
+        raise _unknown(repr(name))
+    kind, *rest = name.strip().split(":")
+    if kind == "vanilla" and not rest:
+        return StrategySpec("vanilla")
+    if kind == "single" and len(rest) <= 1:
+        if rest and not rest[0]:
+            raise _unknown(name, " (empty drafter name)")
+        return StrategySpec("single", drafter=rest[0] if rest else None)
+    if kind == "averaged" and len(rest) <= 1:
+        if not rest:
+            return StrategySpec("averaged")
+        try:
+            alpha = float(rest[0])
+        except ValueError:
+            raise _unknown(name, f" (ALPHA must be a number in [0, 1], got {rest[0]!r})") from None
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"strategy {name!r}: alpha must be in [0, 1], got {alpha}")
+        return StrategySpec("averaged", alpha=alpha)
+    if kind == "routed" and 1 <= len(rest) <= 2 and rest[0] in SIGNALS:
+        granularity = rest[1] if len(rest) == 2 else DEFAULT_GRANULARITY[rest[0]]
+        if granularity in GRANULARITIES:
+            return StrategySpec("routed", signal=rest[0], granularity=granularity)
+    if kind == "merged" and len(rest) == 1 and rest[0] in MERGES:
+        return StrategySpec("merged", merge=rest[0])
+    raise _unknown(name)
+
+
+def check_drafters(drafters: Sequence[DraftHead], names: Sequence[str], target: TargetModel | None = None) -> None:
+    """ValueError when the drafters do not share one target's sizes and draft vocabulary (or do not fit
+    ``target``); the message names the drafters and the differing field."""
+    first = drafters[0]
+    for name, head in zip(names[1:], drafters[1:]):
+        for key in _SIZE_FIELDS:
+            a, b = getattr(first.config, key, None), getattr(head.config, key, None)
+            if a != b:
+                raise ValueError(f"drafters {names[0]!r} and {name!r} belong to different targets: "
+                                 f"{key} {a} vs {b}")
+    if target is not None:
+        for name, head in zip(names, drafters):
+            for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+                if getattr(head.config, key) != want:
+                    raise ValueError(f"drafter {name!r} does not fit target {target.name!r}: "
+                                     f"{key} {getattr(head.config, key)} vs {want}")
+
+
+def tree_signal(tree: DraftTree, signal: str) -> torch.Tensor:
+    """0-dim mean over the non-root nodes: confidence ``exp(score)`` or draft ``entropy`` (NaN for a bare root)."""
+    values = tree.score[1:].exp() if signal == "confidence" else tree.entropy[1:]
+    return values.float().mean() if values.numel() else torch.tensor(math.nan)
+
+
+def best_index(values: torch.Tensor, signal: str) -> int:
+    """The index of the best of ``values`` [K]: highest confidence or lowest entropy; NaN never wins."""
+    goodness = values if signal == "confidence" else -values
+    return int(goodness.nan_to_num(-math.inf, -math.inf, math.inf).argmax())
+
+
+class _Ensemble:
+    """K drafters with one :class:`DrafterState` each; accepted pairs are queued for all of them."""
+
+    def __init__(self, drafters: Sequence[DraftHead], names: Sequence[str], tree: TreeConfig | None = None):
+        self.drafters = list(drafters)
+        self.names = list(names)
+        self.tree = tree or TreeConfig()
+        self.target: TargetModel | None = None
+        self.states: list[DrafterState] = []
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        check_drafters(self.drafters, self.names, target)
+        self.target = target
+        self.states = [DrafterState(d) for d in self.drafters]
+        for state in self.states:
+            state.add(tokens, features)
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        for state in self.states:
+            state.add(tokens, features)
+
+    def draft(self, i: int) -> DraftTree:
+        return draft_tree(self.drafters[i], self.target, self.states[i], self.tree)
+
+
+class RoutedStrategy(_Ensemble):
+    """Verify one drafter's tree per step, chosen by ``signal`` at ``granularity`` (see the module doc)."""
+
+    def __init__(self, drafters: Sequence[DraftHead], names: Sequence[str], tree: TreeConfig | None = None,
+                 signal: str = "confidence", granularity: str = "step", probe_steps: int = 2,
+                 recheck_every: int = 0):
+        super().__init__(drafters, names, tree)
+        if signal not in SIGNALS or granularity not in GRANULARITIES:
+            raise ValueError(f"routing needs signal in {SIGNALS} and granularity in {GRANULARITIES}, "
+                             f"got {signal!r}, {granularity!r}")
+        if probe_steps < 1 or recheck_every < 0:
+            raise ValueError(f"probe_steps must be >= 1 and recheck_every >= 0, got {probe_steps}, {recheck_every}")
+        self.signal, self.granularity = signal, granularity
+        self.probe_steps, self.recheck_every = probe_steps, recheck_every
+        self.name = f"routed:{signal}:{granularity}"
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = 0
+        self.choice: int | None = None
+        self.window: torch.Tensor | None = None
+        self.window_steps = 0
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        super().start(target, tokens, features)
+        self._reset()
+
+    def probing(self, step: int) -> bool:
+        """Whether step ``step`` (0-based within the request) drafts with every drafter."""
+        if self.granularity == "step":
+            return True
+        if self.recheck_every == 0:
+            return step < self.probe_steps
+        return step % (self.probe_steps + self.recheck_every) < self.probe_steps
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        probe = self.probing(self.steps)
+        self.steps += 1
+        if probe:
+            trees = [self.draft(i) for i in range(len(self.drafters))]
+            values = torch.stack([tree_signal(t, self.signal) for t in trees])
+            pick = best_index(values, self.signal)
+            tree = trees[pick]
+            if self.granularity == "request":
+                self.window = values if self.window is None else self.window + values
+                self.window_steps += 1
+                if self.window_steps == self.probe_steps:
+                    self.choice = best_index(self.window / self.window_steps, self.signal)
+                    self.window, self.window_steps = None, 0
+        else:
+            pick = self.choice
+            tree = self.draft(pick)
+            values = torch.full((len(self.drafters),), math.nan)
+            values[pick] = tree_signal(tree, self.signal)
+        tree.meta.update(route=self.names[pick], route_index=pick, signal=self.signal, signals=values, probe=probe)
+        if self.granularity == "request":
+            tree.meta["decision"] = None if self.choice is None else self.names[self.choice]
+        return tree
+
+
+class MergedStrategy(_Ensemble):
+    """Verify the trie union of all K trees; ``budget`` keeps only the root and the N - 1 most confident nodes."""
+
+    def __init__(self, drafters: Sequence[DraftHead], names: Sequence[str], tree: TreeConfig | None = None,
+                 budget: bool = False):
+        super().__init__(drafters, names, tree)
+        self.budget = budget
+        self.name = "merged:budget" if budget else "merged:union"
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        trees = [self.draft(i) for i in range(len(self.drafters))]
+        merged = merge_trees([_on(t, torch.device("cpu")) for t in trees])
+        sources = merged.meta.pop("sources")
+        union_size = merged.size
+        if self.budget and merged.size > self.tree.total_tokens:
+            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], self.tree.total_tokens - 1)])
+            merged, sources = merged.select(keep), sources[keep]
+        merged = _on(merged, trees[0].tokens.device)
+        merged.meta.update(
+            tree_sizes=torch.tensor([t.size for t in trees]),
+            union_size=union_size,
+            verified_size=merged.size,
+            node_sources=sources[1:].sum(0),
+            shared_nodes=(sources[1:].sum(1) > 1).sum(),
+        )
+        return merged
+
+
+def _on(tree: DraftTree, device: torch.device) -> DraftTree:
+    """``tree`` with its tensors on ``device`` (the trie union of a few dozen nodes is built on the CPU)."""
+    if tree.tokens.device == device:
+        return tree
+    return DraftTree(tree.tokens.to(device), tree.parent.to(device), tree.depth.to(device), tree.score.to(device),
+                     tree.entropy.to(device), tree.mask.to(device), tree.prefix_len, tree.meta)
+
+
+def averaging_weights(spec: StrategySpec, k: int, weights: Sequence[float] | None) -> list[float]:
+    if weights is not None:
+        if spec.alpha is not None:
+            raise ValueError(f"strategy {spec.name!r} fixes alpha; do not pass weights as well")
+        weights = [float(w) for w in weights]
+        if len(weights) != k:
+            raise ValueError(f"averaging needs one weight per drafter: {k} drafters, {len(weights)} weights")
+        if any(not 0.0 <= w <= 1.0 for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
+            raise ValueError(f"averaging weights must be in [0, 1] and sum to 1, got {weights} (sum {sum(weights):g})")
+        return weights
+    if spec.alpha is not None:
+        if k != 2:
+            raise ValueError(f"strategy {spec.name!r} interpolates two drafters, got {k}; "
+                             "use 'averaged' (uniform) or pass weights")
+        return [spec.alpha, 1.0 - spec.alpha]
+    return [1.0 / k] * k
+
+
+def build_strategy(
+    spec: str | StrategySpec,
+    drafters: Sequence[DraftHead] | Mapping[str, DraftHead] = (),
+    tree_cfg: TreeConfig | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+    probe_steps: int = 2,
+    recheck_every: int = 0,
+) -> Strategy:
+    """A ready :class:`~taps_ray.spec.decoder.Strategy` for ``spec`` over ``drafters``.
+
+    ``drafters`` is a list (named by ``names``, else their metadata ``name``, else ``d0, d1, ..``) or a
+    name -> drafter mapping, in routing / merge order; ``single:NAME`` picks one by name, ``single``
+    the first. ``weights`` [K] override the uniform average of ``averaged``; ``probe_steps`` and
+    ``recheck_every`` set ``request`` routing. ValueError for too few drafters, drafters of different
+    targets, alpha or weights out of range, or an unknown drafter name.
+    """
+    from taps_ray.spec.decoder import SingleStrategy, VanillaStrategy
+
+    spec = parse_strategy(spec)
+    if isinstance(drafters, Mapping):
+        names, heads = list(drafters), list(drafters.values())
+    else:
+        heads = list(drafters)
+        names = list(names) if names is not None else [h.metadata.get("name") or f"d{i}" for i, h in enumerate(heads)]
+    if len(names) != len(heads) or len(set(names)) != len(names):
+        raise ValueError(f"need one distinct name per drafter, got {names} for {len(heads)} drafters")
+    if spec.kind == "vanilla":
+        return VanillaStrategy()
+    if len(heads) < spec.min_drafters:
+        need = "a drafter" if spec.min_drafters == 1 else f"at least {spec.min_drafters} drafters"
+        raise ValueError(f"strategy {spec.name!r} needs {need}, got {len(heads)}")
+    check_drafters(heads, names)
+    if spec.kind == "single":
+        index = 0 if spec.drafter is None else names.index(spec.drafter) if spec.drafter in names else None
+        if index is None:
+            raise ValueError(f"strategy {spec.name!r}: no drafter named {spec.drafter!r}; drafters: {names}")
+        strategy = SingleStrategy(heads[index], tree_cfg)
+    elif spec.kind == "averaged":
+        strategy = SingleStrategy(average_drafters(heads, averaging_weights(spec, len(heads), weights)), tree_cfg)
+    elif spec.kind == "routed":
+        return RoutedStrategy(heads, names, tree_cfg, spec.signal, spec.granularity, probe_steps, recheck_every)
+    else:
+        return MergedStrategy(heads, names, tree_cfg, budget=spec.merge == "budget")
+    strategy.name = spec.name
+    return strategy

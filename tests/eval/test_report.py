@@ -1,0 +1,184 @@
+"""The report generator on hand-made records: every table and claim computed from known numbers, files written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from taps_ray.cli import main
+from taps_ray.eval.report import FAILS, HOLDS, MISSING, build_tables, write_report
+from taps_ray.eval.runner import RECORDS, RUN_FILE
+
+DEPTH = 4
+HI = [1, 2, 3, 4, 4] * 2       # tau 3.8; depth rates 1, .8, .75, 4/6
+MID = [0, 1, 2, 3, 4] * 2      # tau 3.0
+LO = [0, 0, 1, 2, 2] * 2       # tau 2.0
+MIN = [0, 0, 0, 1, 1] * 2      # tau 1.4
+TOP = [2, 3, 4, 4, 4] * 2      # tau 4.4
+COMPOSE = ["math", "chat"]
+
+
+def record(strategy: str, bench: str, qid: int, accepted: list[int], speedup: float = 1.0, routes=None,
+           crc: int = 7, drafters=None) -> dict:
+    """A record whose entropies are 1.0 (draft) / 0.5 (target) at accepted tokens and 2.0 / 1.5 at rejected
+    ones, with tokens/s = 10 * ``speedup``."""
+    appended = [a + 1 for a in accepted]
+    new_tokens = sum(appended) + 1
+    r = {
+        "benchmark": bench, "question_id": qid, "category": bench, "strategy": strategy,
+        "drafters": drafters if drafters is not None else COMPOSE, "temperature": 0.0, "turns": 1,
+        "prompt_tokens": [20], "new_tokens": [new_tokens], "finish": ["length"], "output_crc": [crc],
+        "turn_steps": [len(accepted)], "steps": len(accepted), "appended": sum(appended),
+        "tau": sum(appended) / len(accepted), "accepted": accepted, "step_appended": appended,
+        "tree_size": [1 if strategy == "vanilla" else 8] * len(accepted),
+        "tree_depth": [0 if strategy == "vanilla" else DEPTH] * len(accepted),
+        "prefill_s": 0.01, "draft_s": 0.001 * len(accepted), "verify_s": 0.002 * len(accepted),
+        "total_s": new_tokens / (10 * speedup), "tokens_per_s": 10 * speedup,
+    }
+    if strategy != "vanilla":
+        r.update(draft_entropy=[[1.0] * a for a in accepted], target_entropy=[[0.5] * a for a in accepted],
+                 rejected_draft_entropy=[2.0 if a < DEPTH else None for a in accepted],
+                 rejected_target_entropy=[1.5 if a < DEPTH else None for a in accepted])
+    if routes is not None:
+        r.update(routes=routes, signals=[[0.3, 0.1] if x == "math" else [0.1, 0.3] for x in routes],
+                 probes=[True] * len(routes), decisions=[None])
+    if strategy.startswith("merged:"):
+        r.update(union_size=[15] * len(accepted))
+        if strategy == "merged:union":
+            r["tree_size"] = [15] * len(accepted)
+    return r
+
+
+def paper_like_records(swap: bool = False) -> list[dict]:
+    """Two questions of MT-Bench and GSM8K where every claim of DESIGN.md section 10 holds (``swap``: the
+    math and chat drafters' results are exchanged, so claims 1 and 6 do not)."""
+    math_p, chat_p = ("math", "chat") if not swap else ("chat", "math")
+    plan = {
+        "vanilla": {"mt_bench": [0] * 27, "gsm8k": [0] * 27},
+        f"single:{math_p}": {"mt_bench": LO, "gsm8k": HI},
+        f"single:{chat_p}": {"mt_bench": HI, "gsm8k": LO},
+        "single:mixed": {"mt_bench": MID, "gsm8k": MID},
+        "averaged:0.5": {"mt_bench": MIN, "gsm8k": MIN},
+        "averaged:0": {"mt_bench": HI, "gsm8k": LO},
+        "averaged:1": {"mt_bench": LO, "gsm8k": HI},
+        "routed:confidence:step": {"mt_bench": HI, "gsm8k": HI},
+        "routed:entropy:request": {"mt_bench": MID, "gsm8k": MID},
+        "merged:union": {"mt_bench": TOP, "gsm8k": TOP},
+        "merged:budget": {"mt_bench": MID, "gsm8k": MID},
+    }
+    out = []
+    for strategy, cells in plan.items():
+        for bench, accepted in cells.items():
+            for qid in (0, 1):
+                routes = None
+                if strategy == "routed:confidence:step":
+                    main_route = math_p if bench == "gsm8k" else chat_p
+                    other = chat_p if main_route == math_p else math_p
+                    routes = [main_route] * 8 + [other] * 2
+                elif strategy == "routed:entropy:request":
+                    routes = ["math" if qid == 0 else "chat"] * 10
+                drafters = [] if strategy == "vanilla" else [strategy[7:]] if strategy.startswith("single:") else None
+                out.append(record(strategy, bench, qid, list(accepted), speedup=1.5 if strategy != "vanilla" else 1.0,
+                                  routes=routes, crc=8 if strategy == "merged:budget" and qid == 1 else 7,
+                                  drafters=drafters))
+    return out
+
+
+def row(rows: list[dict], **match) -> dict:
+    [found] = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    return found
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return build_tables(paper_like_records())[0]
+
+
+def test_tau_table_is_appended_tokens_per_step(tables):
+    math = row(tables["tau"], strategy="single:math")
+    assert (math["mt_bench"], math["gsm8k"], math["avg"]) == pytest.approx((2.0, 3.8, 2.9))
+    assert math["gsm8k_n"] == 2 and math["gsm8k_tau_q"] == pytest.approx(3.8)
+    assert row(tables["tau"], strategy="vanilla")["avg"] == 1.0
+    assert row(tables["tau"], strategy="merged:union")["avg"] == pytest.approx(4.4)
+
+
+def test_routing_table_counts_steps_and_questions(tables):
+    conf = row(tables["routing"], strategy="routed:confidence:step", benchmark="gsm8k", drafter="math")
+    assert conf["step_share"] == pytest.approx(0.8) and conf["question_share"] == 1.0
+    assert (conf["questions"], conf["of_questions"]) == (2, 2)
+    assert conf["mean_signal_when_chosen"] == pytest.approx(0.3)
+    ent = row(tables["routing"], strategy="routed:entropy:request", benchmark="mt_bench", drafter="chat")
+    assert ent["step_share"] == 0.5 and ent["question_share"] == 0.5
+
+
+def test_entropy_table_separates_accepted_and_rejected(tables):
+    r = row(tables["entropy"], strategy="single:math", benchmark="all")
+    assert (r["accepted_draft"], r["rejected_draft"], r["accepted_target"], r["rejected_target"]) == (1.0, 2.0, 0.5, 1.5)
+    assert r["accepted_tokens"] == sum(HI) * 2 + sum(LO) * 2
+    assert r["rejected_tokens"] == sum(a < DEPTH for a in HI + LO) * 2
+
+
+def test_acceptance_by_depth(tables):
+    r = row(tables["depth"], strategy="single:math", benchmark="gsm8k")
+    assert [r[f"d{d}"] for d in range(1, 5)] == pytest.approx([1.0, 0.8, 0.75, 4 / 6])
+    assert [r[f"n{d}"] for d in range(1, 5)] == [20, 20, 16, 12]
+
+
+def test_tau_vs_alpha(tables):
+    assert [r["alpha"] for r in tables["alpha"]] == [0.0, 0.5, 1.0]
+    assert [r["avg"] for r in tables["alpha"]] == pytest.approx([2.9, 1.4, 2.9])
+
+
+def test_speed_against_vanilla_on_the_same_questions(tables):
+    r = row(tables["speed"], strategy="single:math")
+    assert r["speedup"] == pytest.approx(1.5) and r["vanilla_tokens_per_s"] == pytest.approx(10.0)
+    assert r["same_output_as_vanilla"] == 1.0 and r["tree_size"] == 8
+    budget = row(tables["speed"], strategy="merged:budget")
+    assert budget["same_output_as_vanilla"] == 0.5 and budget["union_size"] == 15 and budget["tree_size"] == 8
+    assert row(tables["speed"], strategy="merged:union")["tree_size"] == 15
+
+
+def test_claims_hold_on_paper_like_numbers(tables):
+    claims = {c["id"]: c for c in tables["claims"]}
+    assert [c["status"] for c in tables["claims"]] == [HOLDS] * 8
+    assert "gsm8k: math 3.80 vs chat 2.00" in claims[1]["evidence"]
+    assert "not measured: math_500, svamp" in claims[1]["evidence"]
+    assert "single:mixed 3.00" in claims[2]["evidence"]
+    assert "averaged:0.5 1.40" in claims[3]["evidence"]
+    assert "merged:union 4.40" in claims[5]["evidence"]
+    assert "4/4 math-benchmark questions" not in claims[6]["evidence"]
+    assert "2/2 math-benchmark questions to math" in claims[6]["evidence"]
+    assert "rejected 2.00" in claims[7]["evidence"] and "accepted 1.00" in claims[7]["evidence"]
+
+
+def test_claims_follow_the_numbers_not_the_expectations():
+    claims = {c["id"]: c["status"] for c in build_tables(paper_like_records(swap=True))[0]["claims"]}
+    assert claims[1] == FAILS and claims[6] == FAILS
+    assert claims[3] == HOLDS and claims[5] == HOLDS
+    few = [r for r in paper_like_records() if r["strategy"] in ("vanilla", "single:math")]
+    statuses = {c["id"]: c["status"] for c in build_tables(few)[0]["claims"]}
+    assert all(statuses[i] == MISSING for i in range(1, 7))
+
+
+def test_write_report_and_cli(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    records = paper_like_records()
+    (out / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / RUN_FILE).write_text(json.dumps({"identity": {"target": {"model": "tiny"}}, "drafters": {"math": "m"}}))
+    assert main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "## Claims" in text and "| single:math | 2.00 | 3.80 | 2.90 |" in text
+    for name in ("tau", "routing", "entropy", "acceptance_by_depth", "tau_vs_alpha", "speed", "claims"):
+        assert (out / "tables" / f"{name}.csv").read_text().count("\n") > 1
+    for name in ("tau_T0", "acceptance_by_depth_T0", "tau_vs_alpha_T0", "speedup_T0"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["records"] == len(records) and len(summary["claims"]) == 8
+    assert row(summary["tau"], strategy="single:chat")["avg"] == pytest.approx(2.9)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    with pytest.raises(FileNotFoundError, match="no records"):
+        write_report(empty)

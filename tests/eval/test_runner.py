@@ -1,0 +1,207 @@
+"""taps eval runner on a tiny target: strategy expansion, records, conversations, resume, refusal, Ray sharding."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from functools import partial
+
+import pytest
+import torch
+
+from taps_ray.config import load_config
+from taps_ray.data.benchmarks import BenchmarkQuestion
+from taps_ray.eval import runner
+from taps_ray.eval.runner import (
+    EvalError,
+    EvalWorker,
+    conversation_ids,
+    expand_strategies,
+    read_records,
+    run_eval,
+)
+from taps_ray.spec.decoder import generate
+from tests.spec.spec_helpers import peaky_tiny_target
+
+QUESTIONS = {
+    "mt_bench": [BenchmarkQuestion(81, "writing", ["Write a travel blog post.", "Rewrite it in one line."], "mt_bench")],
+    "gsm8k": [BenchmarkQuestion(0, "gsm8k", ["What is 17 + 25?"], "gsm8k"),
+              BenchmarkQuestion(7, "gsm8k", ["A train goes 60 km in 1.5 hours. Speed?"], "gsm8k")],
+}
+FACTORY = partial(peaky_tiny_target, 0)
+BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "eval.max_new_tokens=10", "eval.num_actors=0",
+        "eval.benchmarks=[mt_bench, gsm8k]", "eval.temperatures=[0, 1]", "eval.drafters={math: 'random:0', chat: 'random:1'}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(*extra: str):
+    return load_config(None, BASE + list(extra))
+
+
+def by_key(records: list[dict]) -> dict:
+    return {runner.record_key(r): r for r in records}
+
+
+def outcome(record: dict) -> tuple:
+    return record["output_crc"], record["accepted"], record["steps"]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "full"
+    run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
+    return out, read_records(out)
+
+
+def test_expand_strategies():
+    names = expand_strategies(["single", "averaged", "routed:confidence", "merged:budget"], ["math", "chat"],
+                              ["math", "chat"], alphas=[0.25, 0.5])
+    assert names == ["vanilla", "single:math", "single:chat", "averaged:0.5", "routed:confidence:step",
+                     "merged:budget", "averaged:0.25"]
+    assert expand_strategies(["averaged"], ["a", "b", "c"], ["a", "b", "c"]) == ["vanilla", "averaged"]
+    with pytest.raises(EvalError, match="unknown strategy 'routed'"):
+        expand_strategies(["routed"], ["a", "b"], ["a", "b"])
+    with pytest.raises(EvalError, match="no drafter named 'math'"):
+        expand_strategies(["single:math"], ["a"], ["a"])
+    with pytest.raises(EvalError, match="needs at least 2 drafters"):
+        expand_strategies(["merged:union"], ["a"], ["a"])
+    with pytest.raises(EvalError, match="interpolates two drafters"):
+        expand_strategies(["averaged:0.3"], ["a", "b", "c"], ["a", "b", "c"])
+
+
+def test_records_cover_every_cell_with_consistent_fields(full_run):
+    out, records = full_run
+    strategies = ["vanilla", "single:math", "single:chat", "averaged:0.5", "routed:confidence:step",
+                  "routed:entropy:request", "merged:union", "merged:budget"]
+    assert len(records) == len(by_key(records)) == 3 * 2 * len(strategies)
+    assert {r["strategy"] for r in records} == set(strategies)
+    run = json.loads((out / runner.RUN_FILE).read_text())
+    assert run["identity"]["drafters"] == {"math": {"random_seed": 0}, "chat": {"random_seed": 1}}
+    for r in records:
+        n = r["steps"]
+        assert len(r["accepted"]) == len(r["step_appended"]) == len(r["tree_size"]) == len(r["tree_depth"]) == n
+        assert r["appended"] == sum(r["step_appended"]) == sum(r["new_tokens"]) - r["turns"]
+        assert r["tau"] == pytest.approx(r["appended"] / n) and r["tokens_per_s"] > 0
+        assert r["drafters"] == {"vanilla": [], "single:math": ["math"], "single:chat": ["chat"]}.get(
+            r["strategy"], ["math", "chat"])
+        if r["strategy"] != "vanilla":
+            assert len(r["draft_entropy"]) == len(r["rejected_draft_entropy"]) == n
+            assert all(len(e) == a for e, a in zip(r["draft_entropy"], r["accepted"]))
+        if r["strategy"].startswith("routed:"):
+            assert len(r["routes"]) == len(r["signals"]) == n and set(r["routes"]) <= {"math", "chat"}
+            assert len(r["decisions"]) == r["turns"]
+        if r["strategy"].startswith("merged:"):
+            assert len(r["union_size"]) == n
+            assert all(s <= 1 + 2 * 7 for s in r["union_size"])
+        if r["strategy"] == "merged:budget":
+            assert set(r["tree_size"]) == {8}
+    greedy = [r for r in records if r["temperature"] == 0]
+    vanilla = {(r["benchmark"], r["question_id"]): r["output_crc"] for r in greedy if r["strategy"] == "vanilla"}
+    assert all(r["output_crc"] == vanilla[(r["benchmark"], r["question_id"])] for r in greedy)
+
+
+def test_second_turn_is_asked_after_the_first_answer():
+    target = FACTORY()
+    turns = QUESTIONS["mt_bench"][0].turns
+    first = conversation_ids(target, turns[:1], [])
+    answer = generate(target, first, max_new_tokens=6)
+    second = conversation_ids(target, turns, [answer])
+    assert second[:first.numel()].tolist() == first.tolist()
+    assert second[first.numel():first.numel() + 6].tolist() == answer.token_ids
+    assert second.numel() > first.numel() + 6
+
+
+def test_worker_runs_mt_bench_as_a_conversation():
+    plan = runner.make_plan(config("eval.strategies=[vanilla]"))
+    worker = EvalWorker(plan, FACTORY, warmup=False)
+    question = QUESTIONS["mt_bench"][0]
+    [record] = worker.run(runner.Unit(question, 0.0, ["vanilla"]))
+    assert record["turns"] == 2 and len(record["turn_steps"]) == 2
+    first = conversation_ids(worker.target, question.turns[:1], [])
+    assert record["prompt_tokens"][0] == first.numel()
+    assert record["prompt_tokens"][1] > record["prompt_tokens"][0] + record["new_tokens"][0]
+
+
+@pytest.mark.integration
+def test_chat_template_conversation_includes_the_answer(embedded_target):
+    class Answer:
+        text = "Marmalade is a fine name."
+        token_ids: list[int] = []
+
+    ids = conversation_ids(embedded_target, ["Name a cat.", "Why that name?"], [Answer()])
+    text = embedded_target.tokenizer.decode(ids.tolist())
+    assert text.index("Name a cat.") < text.index("Marmalade is a fine name.") < text.index("Why that name?")
+    assert text.rstrip().endswith("assistant")
+
+
+def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    calls = Counter()
+    original = EvalWorker.run
+
+    def killed_after_two_units(self, unit):
+        calls["units"] += 1
+        if calls["units"] > 2:
+            raise KeyboardInterrupt
+        return original(self, unit)
+
+    monkeypatch.setattr(EvalWorker, "run", killed_after_two_units)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
+    partial_records = read_records(out)
+    assert len(partial_records) == 2 * 8
+    with open(out / runner.RECORDS, "a") as handle:
+        handle.write(json.dumps(partial_records[0])[:57])
+
+    def counting(self, unit):
+        calls["resumed"] += len(unit.strategies)
+        return original(self, unit)
+
+    monkeypatch.setattr(EvalWorker, "run", counting)
+    run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
+    assert calls["resumed"] == 6 * 8 - 2 * 8
+    lines = (out / runner.RECORDS).read_text().splitlines()
+    keys = [runner.record_key(json.loads(line)) for line in lines]
+    assert len(keys) == len(set(keys)) == 6 * 8
+    expected = by_key(full_run[1])
+    assert {k: outcome(r) for k, r in by_key(read_records(out)).items()} == {k: outcome(r) for k, r in expected.items()}
+
+    calls.clear()
+    run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
+    assert calls["resumed"] == 0 and len((out / runner.RECORDS).read_text().splitlines()) == 6 * 8
+
+
+def test_folder_of_another_configuration_is_refused(full_run, tmp_path):
+    out, _ = full_run
+    with pytest.raises(EvalError, match=r"other settings \(max_new_tokens: 10 in the folder, 12 now\)"):
+        run_eval(config("eval.max_new_tokens=12"), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
+    with pytest.raises(EvalError, match="drafters.chat.random_seed: 1 in the folder, 2 now"):
+        run_eval(config("eval.drafters={math: 'random:0', chat: 'random:2'}"), out, questions=QUESTIONS,
+                 target_factory=FACTORY, report=False)
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / runner.RECORDS).write_text("{}\n")
+    with pytest.raises(EvalError, match="no run.json"):
+        run_eval(config(), stray, questions=QUESTIONS, target_factory=FACTORY, report=False)
+
+
+def test_missing_drafter_folder_is_an_error(tmp_path):
+    with pytest.raises(EvalError, match="drafter 'math': .* is not a drafter checkpoint folder"):
+        runner.make_plan(config(f"eval.drafters={{math: '{tmp_path}/nope', chat: 'random:1'}}"))
+
+
+def test_ray_actors_shard_the_units_and_match_in_process(full_run, tmp_path, ray_session):
+    out = tmp_path / "ray"
+    run_eval(config("eval.num_actors=2", "eval.temperatures=[0]"), out, questions=QUESTIONS, target_factory=FACTORY,
+             report=False)
+    records = read_records(out)
+    assert len(records) == 3 * 8 and len({r["worker"] for r in records}) == 2
+    expected = by_key(full_run[1])
+    assert all(outcome(r) == outcome(expected[runner.record_key(r)]) for r in records)
