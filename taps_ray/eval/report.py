@@ -506,13 +506,14 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
                       "Share of verified steps and of questions (by majority of their steps) per drafter.", "",
                       markdown_table(rows, ["strategy", "benchmark", "drafter", "step_share", "question_share",
                                             "questions", "of_questions", "mean_signal_when_chosen"]), ""]
-        rows = [r for r in tables["entropy"] if r["temperature"] == t]
+        rows = [r for r in tables["entropy"] if r["temperature"] == t and r["benchmark"] == "all"]
         if rows:
             lines += ["### Draft entropy at accepted vs rejected tokens (Table 3)", "",
-                      markdown_table(rows, ["strategy", "benchmark", "accepted_draft", "rejected_draft",
-                                            "accepted_tokens", "rejected_tokens"]), "",
+                      "Nats, all benchmarks pooled; per benchmark in `tables/entropy.csv`.", "",
+                      markdown_table(rows, ["strategy", "accepted_draft", "rejected_draft", "accepted_tokens",
+                                            "rejected_tokens"]), "",
                       "### Verifier entropy at accepted vs rejected tokens (Table 4)", "",
-                      markdown_table(rows, ["strategy", "benchmark", "accepted_target", "rejected_target"]), ""]
+                      markdown_table(rows, ["strategy", "accepted_target", "rejected_target"]), ""]
         rows = [r for r in tables["depth"] if r["temperature"] == t and r["benchmark"] == "all"]
         if rows:
             depths = sorted({int(k[1:]) for r in rows for k in r if k.startswith("d") and k[1:].isdigit()})
