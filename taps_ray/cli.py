@@ -158,6 +158,27 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- train ---------------------------------------------------------------------------------------
+
+def _add_train(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue existing variants from their last checkpoint")
+    mode.add_argument("--force", action="store_true", help="delete existing variant outputs and retrain")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from taps_ray.train.launch import run_training, summary_table
+
+    cfg = _load(args)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] if args.variants else None
+    summary = run_training(cfg, names, mode="resume" if args.resume else "force" if args.force else "new")
+    print(json.dumps(summary.to_dict(), indent=1, default=float) if args.json else summary_table(summary))
+    return 1 if summary.failed else 0
+
+
 # -- eval / report / average ---------------------------------------------------------------------
 
 def _add_eval(parser: argparse.ArgumentParser) -> None:
@@ -286,6 +307,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "report": ("regenerate an evaluation run's report from its records", _add_report, _run_report),
     "average": ("average drafter checkpoints in weight space", _add_average, _run_average),
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
+    "train": ("train drafter variants concurrently with Ray Train", _add_train, _run_train),
 }
 
 

@@ -155,6 +155,124 @@ class DrafterConfig(Strict):
     seed: int = 0
 
 
+class ObjectiveConfig(Strict):
+    """Drafter training objective.
+
+    ``noise``: input-feature noise during training, ``uniform`` = U(-noise_std/2, noise_std/2)
+    (U(-0.1, 0.1) by default), ``gaussian`` = N(0, noise_std^2). ``topk``/``topk_weight`` (w) and
+    ``hass_passes`` (n) apply to ``hass`` only; HASS reference recipe: stage 1 w=0, stage 2 w=1.
+    """
+
+    algorithm: Literal["eagle2", "hass"] = "eagle2"
+    feature_weight: float = Field(default=1.0, ge=0)
+    ce_weight: float = Field(default=0.1, ge=0)
+    noise: Literal["uniform", "gaussian", "none"] = "uniform"
+    noise_std: float = Field(default=0.2, ge=0)
+    topk: int = Field(default=10, ge=1)
+    topk_weight: float = Field(default=1.0, ge=0)
+    hass_passes: int = Field(default=3, ge=1, le=16)
+    hass_detach: bool = True
+
+    @property
+    def passes(self) -> int:
+        return self.hass_passes if self.algorithm == "hass" else 1
+
+
+class Stage2Config(Strict):
+    """Second stage of the HASS recipe: ``epochs`` more epochs with top-K distillation weight
+    ``topk_weight`` and a fresh warmup + schedule peaking at ``lr`` (optimizer moments are kept)."""
+
+    epochs: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-4, gt=0)
+    topk_weight: float = Field(default=1.0, ge=0)
+
+
+class TrainConfig(Strict):
+    """Drafter training (``taps train``); a variant's ``train`` overrides single keys.
+
+    Optimisation: ``batch_size`` rows per worker and step (right padded to the batch's longest row),
+    AdamW (0.9, 0.95) with ``weight_decay``, peak ``lr`` after ``warmup_steps`` linear warmup, then
+    ``schedule`` (cosine | linear to 0, or constant), gradient norm clipped to ``grad_clip``.
+    ``shuffle_buffer`` rows are shuffled together per epoch with a seeded order (``seed`` + epoch).
+    ``max_tokens`` crops each training row to its first tokens (None: as prepared).
+    ``vocab_source`` (with ``drafter.draft_vocab_size``): count token frequencies over the training
+    pools of all datasets (``datasets``: one shared vocabulary, so specialists stay averageable) or
+    over the variant's own mixture rows (``mixture``).
+    Checkpoints every ``checkpoint_every`` steps and at each epoch end. Held-out metrics at each
+    epoch end on ``heldout_rows`` rows per dataset (a seeded split, ``heldout_seed``, shared by
+    all variants), greedy unrolled to ``eval_depth`` draft positions.
+    Resources: ``num_workers`` DDP workers per variant, ``use_gpu`` (auto: when the cluster has
+    GPUs), ``threads`` torch threads per CPU worker (None: the cores split fairly over all
+    concurrent workers), ``max_failures`` restarts from the last checkpoint (-1: unlimited).
+    ``stage2`` (HASS variants only; EAGLE-2 variants train ``epochs``): the two-stage recipe, stage 1
+    runs ``epochs`` with the variant's objective (set ``objective.topk_weight: 0`` for the reference
+    recipe), stage 2 runs ``stage2.epochs`` more.
+    """
+
+    epochs: int = Field(default=2, ge=1)
+    batch_size: int = Field(default=4, ge=1)
+    lr: float = Field(default=3e-4, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=0.5, gt=0)
+    shuffle_buffer: int = Field(default=4096, ge=1)
+    max_tokens: int | None = Field(default=None, ge=2)
+    vocab_source: Literal["datasets", "mixture"] = "datasets"
+    seed: int = 0
+    checkpoint_every: int = Field(default=50, ge=1)
+    log_every: int = Field(default=10, ge=1)
+    heldout_rows: int = Field(default=32, ge=1)
+    heldout_seed: int = 0
+    eval_depth: int = Field(default=4, ge=1)
+    num_workers: int = Field(default=1, ge=1)
+    use_gpu: bool | Literal["auto"] = "auto"
+    threads: int | None = Field(default=None, ge=1)
+    max_failures: int = Field(default=1, ge=-1)
+    stage2: Stage2Config | None = None
+
+
+def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], base: dict[str, Any]) -> BaseModel:
+    """Validate ``base`` updated with ``given`` as ``model``; errors name ``section.key``."""
+    unknown = sorted(set(given) - set(model.model_fields))
+    if unknown:
+        raise ValueError(f"{section}: unknown key(s) {unknown}; allowed keys: {', '.join(model.model_fields)}")
+    try:
+        return model.model_validate({**base, **given})
+    except ValidationError as err:
+        item = err.errors()[0]
+        key = ".".join(str(p) for p in item["loc"])
+        raise ValueError(f"{section}.{key}: {item['msg']} (got {item.get('input')!r})") from None
+
+
+class VariantConfig(Strict):
+    """One drafter to train: ``algorithm`` on the rows of mixture ``mixture``.
+
+    ``objective`` overrides :class:`ObjectiveConfig` keys (the algorithm is the variant's);
+    ``train`` overrides keys of the experiment's ``train`` section.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    algorithm: Literal["eagle2", "hass"] = "eagle2"
+    mixture: str
+    objective: dict[str, Any] = Field(default_factory=dict)
+    train: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _overrides(self) -> VariantConfig:
+        if "algorithm" in self.objective:
+            raise ValueError(f"variant {self.name!r}: set 'algorithm', not 'objective.algorithm'")
+        self.objective_config()
+        _check_section(f"variant {self.name!r} train", self.train, TrainConfig, {})
+        if self.algorithm == "eagle2" and self.train.get("stage2") is not None:
+            raise ValueError(f"variant {self.name!r}: train.stage2 is the HASS recipe; algorithm is eagle2")
+        return self
+
+    def objective_config(self) -> ObjectiveConfig:
+        return _check_section(f"variant {self.name!r} objective", self.objective, ObjectiveConfig,
+                              {"algorithm": self.algorithm})
+
+
 class EvalConfig(Strict):
     """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions each.
 
@@ -206,6 +324,8 @@ class ExperimentConfig(Strict):
     tree: TreeConfig = Field(default_factory=TreeConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    variants: list[VariantConfig] = Field(default_factory=list)
     extra: Annotated[dict[str, Any], Field(default_factory=dict, description="free-form notes")]
 
     @model_validator(mode="after")
@@ -220,6 +340,26 @@ class ExperimentConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _variants_name_mixtures(self) -> ExperimentConfig:
+        seen: set[str] = set()
+        for variant in self.variants:
+            if variant.name in seen:
+                raise ValueError(f"variant name {variant.name!r} is used twice")
+            seen.add(variant.name)
+            if variant.mixture not in self.mixtures:
+                raise ValueError(f"variant {variant.name!r}: unknown mixture {variant.mixture!r}; "
+                                 f"valid mixtures: {sorted(self.mixtures)}")
+            self.variant_train(variant)
+        return self
+
+    def variant_train(self, variant: VariantConfig) -> TrainConfig:
+        """The experiment's ``train`` section with ``variant.train`` applied; ``stage2`` only for HASS."""
+        base = self.train.model_dump()
+        if variant.algorithm != "hass":
+            base["stage2"] = None
+        return _check_section(f"variant {variant.name!r} train", variant.train, TrainConfig, base)
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
@@ -233,7 +373,11 @@ def _format_errors(err: ValidationError, raw: dict) -> str:
             parent = item["loc"][:-1]
             lines.append(f"{key}: unknown key (value {item.get('input')!r}); allowed keys: {_allowed(parent)}")
         else:
-            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+            msg = item["msg"].removeprefix("Value error, ")
+            got = item.get("input")
+            lines.append(f"{key}: {msg}" if isinstance(got, dict | list) else f"{key}: {msg} (got {got!r})")
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -34,39 +34,13 @@ autograd function with a closed-form logits gradient (``log q`` is never materia
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from taps_ray.config import ObjectiveConfig
 from taps_ray.models.drafter import DraftHead
-
-
-class ObjectiveConfig(BaseModel):
-    """Drafter training objective.
-
-    ``noise``: input-feature noise during training, ``uniform`` = U(-noise_std/2, noise_std/2)
-    (U(-0.1, 0.1) by default), ``gaussian`` = N(0, noise_std^2). ``topk``/``topk_weight`` (w) and
-    ``hass_passes`` (n) apply to ``hass`` only; HASS reference recipe: stage 1 w=0, stage 2 w=1.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    algorithm: Literal["eagle2", "hass"] = "eagle2"
-    feature_weight: float = Field(default=1.0, ge=0)
-    ce_weight: float = Field(default=0.1, ge=0)
-    noise: Literal["uniform", "gaussian", "none"] = "uniform"
-    noise_std: float = Field(default=0.2, ge=0)
-    topk: int = Field(default=10, ge=1)
-    topk_weight: float = Field(default=1.0, ge=0)
-    hass_passes: int = Field(default=3, ge=1, le=16)
-    hass_detach: bool = True
-
-    @property
-    def passes(self) -> int:
-        return self.hass_passes if self.algorithm == "hass" else 1
 
 
 @dataclass

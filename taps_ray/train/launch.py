@@ -1,0 +1,470 @@
+"""``taps train``: one Ray Train ``TorchTrainer`` per drafter variant, all variants concurrently.
+
+For each selected variant: the held-out split of every prepared dataset (``heldout_rows``,
+``heldout_seed``), the mixture's row selection over the training pools, an optional reduced draft
+vocabulary, a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id), and a
+``TorchTrainer`` with its own ``ScalingConfig`` and ``RunConfig(storage_path=<run_dir>/ray,
+name=<variant>, FailureConfig(max_failures))``.
+
+Concurrency: every ``trainer.fit()`` runs in its own driver thread. In Ray Train V2, ``fit()``
+starts a controller actor and blocks in ``ray.get`` on it (the GIL is released), and it supports
+non-main threads (it only skips installing its SIGINT handler there), so the threads cost nothing
+and the Datasets, the target-weight ObjectRef and the results stay in the driver. CPU workers
+get ``(cluster CPUs - 1) / workers`` logical CPUs each (one CPU stays free for Ray Data's read
+tasks) and the physical cores split fairly as torch threads.
+
+Outputs under ``<output_dir>/<name>/``: ``drafters/<variant>/`` (``config.json`` +
+``model.safetensors`` of the final checkpoint, loadable by :meth:`DraftHead.load`; ``metrics.jsonl``;
+``variant.json``), ``ray/<variant>/`` (Ray Train checkpoints), ``train_summary.json``.
+An existing variant is never overwritten silently: ``resume`` continues from its last checkpoint
+(the settings must be unchanged), ``force`` deletes it first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
+from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_set
+from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
+from taps_ray.train.loop import DRAFTER_DIR, FAIL_ENV, train_loop_per_worker
+from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["new", "resume", "force"]
+FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
+CACHE_BYTES = 2 * 1024**3
+
+
+class TrainLaunchError(ValueError):
+    """A ``taps train`` input problem (printed as one line by the CLI)."""
+
+
+@dataclass
+class VariantPlan:
+    """Everything one variant's trainer needs, computed on the driver."""
+
+    variant: VariantConfig
+    train: TrainConfig
+    selection: MixtureSelection
+    heldout: dict[str, np.ndarray]
+    rows: int
+    tokens: int
+    draft_to_target: list[int] | None = None
+    vocab_coverage: float | None = None
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    algorithm: str
+    mixture: str
+    rows: int
+    tokens: int
+    epochs: int
+    steps: int
+    wall_s: float
+    status: str = "ok"
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+    drafter_dir: str | None = None
+    started: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass
+class TrainSummary:
+    run_dir: str
+    wall_s: float
+    variants: list[VariantResult]
+
+    @property
+    def failed(self) -> list[VariantResult]:
+        return [v for v in self.variants if v.status == "failed"]
+
+    def to_dict(self) -> dict:
+        return {"run_dir": self.run_dir, "wall_s": round(self.wall_s, 2), "variants": [asdict(v) for v in self.variants]}
+
+
+def select_variants(cfg: ExperimentConfig, names: list[str] | None) -> list[VariantConfig]:
+    """The config's variants, or those named (in config order); unknown names are an error."""
+    if not cfg.variants:
+        raise TrainLaunchError("the config has no 'variants:' section; nothing to train")
+    known = {v.name: v for v in cfg.variants}
+    if names:
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise TrainLaunchError(f"unknown variant(s) {unknown}; variants in config: {list(known)}")
+        return [v for v in cfg.variants if v.name in set(names)]
+    return list(cfg.variants)
+
+
+def _writable_run_dir(cfg: ExperimentConfig) -> Path:
+    run_dir = Path(cfg.output_dir, cfg.name).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_probe.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise TrainLaunchError(f"output directory {str(run_dir)!r} is not writable: {err.strerror or err}") from None
+    return run_dir
+
+
+def variant_record(cfg: ExperimentConfig, variant: VariantConfig) -> dict:
+    """The settings a resumed run must share with the run it continues."""
+    return {"variant": variant.model_dump(), "train": cfg.variant_train(variant).model_dump(),
+            "objective": variant.objective_config().model_dump(),
+            "mixture": cfg.mixtures[variant.mixture].model_dump(), "drafter": cfg.drafter.model_dump(),
+            "target": cfg.target.model, "max_len": cfg.data.features.max_len}
+
+
+def _prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[VariantConfig], mode: Mode
+                     ) -> list[VariantConfig]:
+    """Apply ``mode`` to existing variant outputs; return the variants left to train."""
+    existing = [v for v in variants if (run_dir / "drafters" / v.name).exists() or (run_dir / "ray" / v.name).exists()]
+    if existing and mode == "new":
+        raise TrainLaunchError(
+            f"{run_dir} already holds variant(s) {[v.name for v in existing]}; pass --resume to continue from "
+            f"their last checkpoints or --force to retrain them from scratch (nothing was overwritten)")
+    todo = []
+    for variant in variants:
+        out = run_dir / "drafters" / variant.name
+        if mode == "force":
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(run_dir / "ray" / variant.name, ignore_errors=True)
+        record = variant_record(cfg, variant)
+        record_path = out / "variant.json"
+        if mode == "resume" and record_path.exists():
+            previous = json.loads(record_path.read_text())
+            if previous != json.loads(json.dumps(record)):
+                changed = sorted(k for k in record if json.dumps(previous.get(k), sort_keys=True)
+                                 != json.dumps(record[k], sort_keys=True))
+                raise TrainLaunchError(f"variant {variant.name!r}: settings {changed} changed since the run started; "
+                                       f"use --force to retrain")
+            meta = out / "config.json"
+            if meta.exists() and json.loads(meta.read_text()).get("training", {}).get("final"):
+                log.info("variant %s is already trained; skipping", variant.name)
+                continue
+        out.mkdir(parents=True, exist_ok=True)
+        record_path.write_text(json.dumps(record, indent=1))
+        todo.append(variant)
+    return todo
+
+
+def _feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict[str, FeatureSet]:
+    """Prepared feature sets: every required dataset, plus any other prepared one (for held-out)."""
+    sets = {}
+    for name in cfg.data.datasets:
+        try:
+            sets[name] = load_feature_set(cfg, name, fingerprint)
+        except FeatureCacheError as err:
+            if name in required:
+                raise TrainLaunchError(f"dataset {name!r}: {err}") from None
+            log.info("held-out metrics skip dataset %s (features not prepared)", name)
+    return sets
+
+
+def _row_tokens(fs: FeatureSet, row_ids: np.ndarray) -> int:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(fs.shard_paths(), columns=["row_id", "length"])
+    keep = pc.is_in(table["row_id"], value_set=pa.array(np.asarray(row_ids, dtype=np.int64)))
+    return int(pc.sum(table.filter(keep)["length"]).as_py() or 0)
+
+
+def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: dict[str, FeatureSet],
+                  vocab_size: int, eos_ids: frozenset[int]) -> list[VariantPlan]:
+    """Held-out splits, mixture selections and draft vocabularies of ``variants``."""
+    plans = []
+    for variant in variants:
+        train = cfg.variant_train(variant)
+        splits = {n: split_rows(fs.rows, train.heldout_rows, train.heldout_seed) for n, fs in sets.items()}
+        pools = {n: pool for n, (_, pool) in splits.items()}
+        try:
+            selection = select_mixture(variant.mixture, cfg.mixtures[variant.mixture], pools)
+        except MixtureError as err:
+            raise TrainLaunchError(f"variant {variant.name!r}, mixture {variant.mixture!r}: {err}") from None
+        plan = VariantPlan(variant=variant, train=train, selection=selection,
+                           heldout={n: held for n, (held, _) in splits.items()}, rows=selection.total,
+                           tokens=sum(_row_tokens(sets[n], ids) for n, ids in selection.rows.items()))
+        size = cfg.drafter.draft_vocab_size
+        if size is not None:
+            if train.vocab_source == "mixture":
+                counted = [(sets[n].shard_paths(), ids) for n, ids in selection.rows.items()]
+            else:
+                counted = [(fs.shard_paths(), pools[n]) for n, fs in sets.items()]
+            counts = token_counts(counted, vocab_size)
+            ids = draft_vocabulary(counts, min(size, vocab_size), eos_ids)
+            own = token_counts([(sets[n].shard_paths(), ids_) for n, ids_ in selection.rows.items()], vocab_size)
+            plan.draft_to_target = ids.tolist()
+            plan.vocab_coverage = coverage(own, ids)
+        plans.append(plan)
+    return plans
+
+
+def _select_rows(batch, row_ids: np.ndarray, dataset: str):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = batch.filter(pc.is_in(batch["row_id"], value_set=pa.array(row_ids)))
+    return table.append_column("dataset", pa.array([dataset] * table.num_rows, type=pa.string()))
+
+
+def feature_dataset(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray], seed: int | None = None):
+    """Ray Dataset of the feature rows ``rows[dataset]`` of each feature set, plus a ``dataset``
+    column; blocks in a seeded random order when ``seed`` is given."""
+    import ray
+
+    parts = []
+    for name, ids in sorted(rows.items()):
+        if len(ids) == 0:
+            continue
+        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS)
+        parts.append(ds.map_batches(_select_rows, fn_kwargs={"row_ids": np.asarray(ids, dtype=np.int64),
+                                                             "dataset": name},
+                                    batch_format="pyarrow", batch_size=None))
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    return ds.randomize_block_order(seed=seed) if seed is not None else ds
+
+
+def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> dict:
+    """Held-out feature rows per dataset as pyarrow Tables (read on the driver)."""
+    import pyarrow.parquet as pq
+
+    return {name: _select_rows(pq.read_table(sets[name].shard_paths(), columns=FEATURE_COLUMNS), ids, name)
+            for name, ids in sorted(rows.items()) if len(ids)}
+
+
+def _quiet_ray_data() -> None:
+    import sys
+
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.print_on_execution_start = False
+    ctx.enable_operator_progress_bars = False
+    ctx.enable_progress_bars = sys.stderr.isatty()
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+
+def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
+    """(use GPUs, CPUs per CPU worker, torch threads per CPU worker) for the concurrent variants."""
+    import ray
+
+    cluster = ray.cluster_resources()
+    workers = sum(p.train.num_workers for p in plans)
+    gpus = cluster.get("GPU", 0) > 0
+    cpus = float(cluster.get("CPU", 1))
+    cores = min(cpus, float(os.cpu_count() or 1)) if len(ray.nodes()) == 1 else cpus
+    per_worker = max(0.1, round((cpus - 1.0) / workers, 2)) if cpus > 1 else cpus / workers
+    threads = max(1, int(cores // workers))
+    return gpus, per_worker, threads
+
+
+def _copy_final(checkpoint, out: Path) -> None:
+    """Copy the checkpoint's drafter files into ``out`` atomically, file by file."""
+    with checkpoint.as_directory() as directory:
+        source = Path(directory) / DRAFTER_DIR
+        for name in ("model.safetensors", "config.json"):
+            tmp = out / f".{name}.partial"
+            shutil.copyfile(source / name, tmp)
+            os.replace(tmp, out / name)
+
+
+def _build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
+                   weights, target_config, fingerprint: dict, gpus_present: bool, cpus: float, threads: int):
+    import ray
+    from ray.data import ExecutionOptions
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    variant, train = plan.variant, plan.train
+    use_gpu = gpus_present if train.use_gpu == "auto" else bool(train.use_gpu)
+    resources = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": cpus}
+    worker_threads = train.threads or (4 if use_gpu else threads)
+    out = run_dir / "drafters" / variant.name
+    loop_config = {
+        "variant": variant.name,
+        "objective": variant.objective_config().model_dump(),
+        "train": train.model_dump(),
+        "target_config": target_config,
+        "fingerprint": fingerprint,
+        "weights": weights,
+        "draft_to_target": plan.draft_to_target,
+        "drafter_seed": cfg.drafter.seed,
+        "train_rows": plan.rows,
+        "datasets": sorted(plan.selection.rows),
+        "heldout": ray.put(heldout_tables(sets, plan.heldout)),
+        "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
+        "metrics_path": str(out / "metrics.jsonl"),
+        "threads": worker_threads,
+        "fail_at_step": os.environ.get(FAIL_ENV),
+        "meta": {
+            "variant": variant.name,
+            "mixture": {"name": variant.mixture, "counts": plan.selection.counts,
+                        "describe": plan.selection.describe()},
+            "data": {n: {"origin": sets[n].manifest.get("origin"), "rows": int(ids.size),
+                         "features": str(sets[n].path)} for n, ids in plan.selection.rows.items()},
+            "draft_vocab": None if plan.draft_to_target is None else {
+                "size": len(plan.draft_to_target), "source": train.vocab_source,
+                "coverage": round(plan.vocab_coverage or 0.0, 5)},
+            "experiment": cfg.name,
+        },
+    }
+    datasets = {"train": feature_dataset(sets, plan.selection.rows, seed=train.seed)}
+    options = ExecutionOptions(preserve_order=True)
+    return _trainer_class()(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(name=variant.name, storage_path=str(run_dir / "ray"),
+                             failure_config=FailureConfig(max_failures=train.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             logging_config=LoggingConfig(log_level="ERROR")),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=options),
+    )
+
+
+def _trainer_class():
+    """``TorchTrainer``; without a dashboard, one that leaves out the placement-group cleaner, a
+    detached actor that polls the state API (served by the dashboard) every second and, without
+    it, only logs a warning each time."""
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    if ray._private.worker.get_dashboard_url():
+        return TorchTrainer
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return TorchTrainer
+
+    class DrafterTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks()
+                    if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return DrafterTrainer
+
+
+def _load_target(cfg: ExperimentConfig):
+    from taps_ray.models.target import TargetLoadError, TargetModel
+
+    try:
+        return TargetModel.load(cfg.target.model_copy(update={"device": "cpu"}))
+    except TargetLoadError as err:
+        raise TrainLaunchError(str(err)) from None
+
+
+def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, mode: Mode = "new",
+                 target=None) -> TrainSummary:
+    """Train the selected variants of ``cfg`` concurrently (see module docstring).
+
+    ``target``: an already loaded :class:`TargetModel` (default: load ``cfg.target`` on the CPU; only
+    its embedding, LM head, config and fingerprint are used). Raises :class:`TrainLaunchError` for
+    input problems before anything is trained; a variant whose training fails is reported in the
+    summary (``status`` failed) after the others finish.
+    """
+    import ray
+
+    from taps_ray.ray_utils import init_ray
+
+    started = time.time()
+    variants = select_variants(cfg, variant_names)
+    run_dir = _writable_run_dir(cfg)
+    target = target or _load_target(cfg)
+    fingerprint = target.fingerprint.to_dict()
+    required = {d for v in variants for d in cfg.mixtures[v.mixture].ratio or cfg.mixtures[v.mixture].counts or {}}
+    sets = _feature_sets(cfg, fingerprint, required)
+    plans = plan_variants(cfg, variants, sets, target.vocab_size, target.eos_token_ids)
+    todo = {v.name for v in _prepare_outputs(cfg, run_dir, variants, mode)}
+    plans = [p for p in plans if p.variant.name in todo]
+    if not plans:
+        print("taps train: all selected variants are already trained", flush=True)
+        return _summarize(run_dir, [], time.time() - started)
+
+    init_ray()
+    _quiet_ray_data()
+    embed = target.embed_tokens.weight.detach().cpu()
+    head = target.lm_head.weight.detach().cpu()
+    weights = ray.put({"embed": embed, "lm_head": head})
+    del embed, head
+    gpus, cpus, threads = _resources(plans)
+    trainers = {p.variant.name: _build_trainer(cfg, p, run_dir, sets, weights, target.config, fingerprint,
+                                               gpus, cpus, threads) for p in plans}
+    print(f"taps train: {len(plans)} variant(s) concurrently -> {run_dir} "
+          f"({'GPU' if gpus else f'{cpus:g} CPU / {threads} thread(s)'} per worker)", flush=True)
+
+    def fit(plan: VariantPlan) -> VariantResult:
+        name = plan.variant.name
+        epochs = plan.train.epochs + (plan.train.stage2.epochs if plan.train.stage2 else 0)
+        steps = epochs * math.ceil((plan.rows // plan.train.num_workers) / plan.train.batch_size)
+        result = VariantResult(name, plan.variant.algorithm, plan.variant.mixture, plan.rows, plan.tokens,
+                               epochs, steps, 0.0, started=time.time())
+        threading.current_thread().name = f"train-{name}"
+        try:
+            fitted = trainers[name].fit()
+            out = run_dir / "drafters" / name
+            _copy_final(fitted.checkpoint, out)
+            result.metrics = dict(fitted.metrics or {})
+            result.drafter_dir = str(out)
+        except Exception as err:  # a failed variant must not stop the others
+            result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+            log.error("variant %s failed: %s", name, result.error)
+        result.finished = time.time()
+        result.wall_s = result.finished - result.started
+        print(f"taps train: {name} {result.status} in {result.wall_s:.0f}s", flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        results = list(pool.map(fit, plans))
+    return _summarize(run_dir, results, time.time() - started)
+
+
+def _summarize(run_dir: Path, results: list[VariantResult], wall_s: float) -> TrainSummary:
+    summary = TrainSummary(str(run_dir), wall_s, results)
+    path = run_dir / "train_summary.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary.to_dict(), indent=1, default=float))
+    os.replace(tmp, path)
+    return summary
+
+
+def summary_table(summary: TrainSummary) -> str:
+    """Markdown table: one row per variant with held-out accuracy per draft position and tau."""
+    depth = max([sum(1 for k in r.metrics if k.startswith("heldout/acc")) for r in summary.variants] or [0])
+    domains = sorted({k.split("/")[1] for r in summary.variants for k in r.metrics
+                      if k.startswith("heldout/") and k.count("/") == 2})
+    head = (["variant", "algorithm", "mixture", "rows", "tokens", "epochs", "steps", "final loss"]
+            + [f"acc@{k}" for k in range(1, depth + 1)] + ["sim. tau"] + [f"tau {d}" for d in domains]
+            + ["wall s", "status"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def num(value, fmt: str) -> str:
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+    for r in summary.variants:
+        m = r.metrics
+        cells = ([r.variant, r.algorithm, r.mixture, str(r.rows), str(r.tokens), str(r.epochs),
+                  str(m.get("step", r.steps)), num(m.get("loss"), ".4f")]
+                 + [num(m.get(f"heldout/acc{k}"), ".3f") for k in range(1, depth + 1)]
+                 + [num(m.get("heldout/tau"), ".3f")] + [num(m.get(f"heldout/{d}/tau"), ".3f") for d in domains]
+                 + [f"{r.wall_s:.0f}", r.status if not r.error else f"{r.status}: {r.error[:80]}"])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nwall time {summary.wall_s:.0f}s; outputs in {summary.run_dir}")
+    return "\n".join(lines)

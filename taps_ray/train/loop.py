@@ -1,0 +1,477 @@
+"""Ray Train worker loop of one drafter variant: ``TorchTrainer(train_loop_per_worker, ...)``.
+
+``config`` (built by :mod:`taps_ray.train.launch`): ``variant``, ``objective`` and ``train``
+(:class:`ObjectiveConfig` / :class:`TrainConfig` dumps), ``target_config`` (the target's HF config),
+``fingerprint`` (dict), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
+the target's frozen tensors), ``draft_to_target`` (list of target ids or None), ``drafter_seed``,
+``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names),
+``heldout`` (an ObjectRef of, or a dict of pyarrow Tables of held-out feature rows per dataset),
+``cache_rows`` (keep the shard's raw rows in memory after the first epoch), ``metrics_path``,
+``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``.
+
+Data. Dataset ``train`` (split over workers; Ray Data order preserved, so a shard's row sequence is
+the same after a restart) has the feature columns plus ``dataset``; each epoch it is read once
+(or replayed from memory with ``cache_rows``) and shuffled in windows of ``shuffle_buffer`` rows by a
+generator seeded with (seed, epoch, rank). Every worker runs ``ceil((train_rows // world) /
+batch_size)`` steps per epoch. Each rank evaluates every ``world``-th held-out batch and the sums
+are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
+step), so it needs no saved state and a resumed run draws exactly what an uninterrupted one would.
+
+Checkpoints (rank 0; every ``checkpoint_every`` steps and at each epoch end, after the held-out
+evaluation): ``drafter/`` (HF layout, :meth:`DraftHead.save`) and ``train_state.pt`` (optimizer,
+step, tokens, attempts, last held-out metrics; the learning rate is a function of the step). A restart resumes at the checkpoint's step; the batches of the current
+epoch before it are regenerated in the same seeded order and skipped without decoding, so no step
+is trained twice and the final step count is unchanged. Rank 0 appends ``metrics.jsonl`` and cuts
+it back to the resumed step on start.
+
+Failure injection (tests): ``fail_at_step`` or ``$TAPS_TRAIN_FAIL_AT_STEP`` = ``N`` (every variant)
+or ``variant:N[,variant:N]`` raises before step ``N`` once per rank (a marker file next to
+``metrics_path`` records that it happened).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from taps_ray.config import ObjectiveConfig, TrainConfig
+from taps_ray.data.features import decode_row
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetFingerprint
+from taps_ray.train.losses import drafter_loss, unwrap
+from taps_ray.train.metrics import simulated_tau, unrolled_counts
+
+FAIL_ENV = "TAPS_TRAIN_FAIL_AT_STEP"
+STATE_NAME = "train_state.pt"
+DRAFTER_DIR = "drafter"
+LOSS_PARTS = ("loss", "feature", "ce", "topk")
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the failure-injection hook."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A training stage: epochs ``[first_epoch, first_epoch + epochs)`` at peak ``lr``;
+    ``topk_weight`` overrides the objective's when not None."""
+
+    first_epoch: int
+    epochs: int
+    lr: float
+    topk_weight: float | None = None
+
+
+def plan_stages(train: TrainConfig, algorithm: str) -> list[Stage]:
+    """Stage 1 (``train.epochs`` at ``train.lr``) and, for HASS with ``stage2``, stage 2."""
+    stages = [Stage(0, train.epochs, train.lr)]
+    if algorithm == "hass" and train.stage2 is not None:
+        s2 = train.stage2
+        stages.append(Stage(train.epochs, s2.epochs, s2.lr, s2.topk_weight))
+    return stages
+
+
+def stage_of(stages: list[Stage], epoch: int) -> Stage:
+    return next(s for s in stages if s.first_epoch <= epoch < s.first_epoch + s.epochs)
+
+
+def lr_at(step: int, stage_steps: int, peak: float, warmup: int, schedule: str) -> float:
+    """Learning rate of the stage's ``step``-th update (0-based) out of ``stage_steps``: linear
+    warmup to ``peak`` over ``warmup`` updates, then cosine/linear decay towards 0 or constant."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant":
+        return peak
+    progress = (step - warmup) / max(1, stage_steps - warmup)
+    if schedule == "cosine":
+        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak * (1.0 - progress)
+
+
+def steps_per_epoch(train_rows: int, world: int, batch_size: int) -> int:
+    """Optimizer steps per epoch of each worker (a shard holds ``train_rows // world`` rows)."""
+    rows = train_rows // world
+    if rows < 1:
+        raise ValueError(f"{train_rows} training rows cannot feed {world} workers")
+    return math.ceil(rows / batch_size)
+
+
+def epoch_batches(rows: Iterable[dict], batch_size: int, buffer: int, seed: int, epoch: int, rank: int
+                  ) -> Iterator[list[dict]]:
+    """Batches of ``batch_size`` rows (the last may be short) in a seeded order.
+
+    Rows are gathered in windows of ``buffer`` rows; each window (with the rows left over from the
+    previous one) is permuted by a generator seeded with (seed, epoch, rank). For the same input
+    sequence the batches are identical; a buffer >= the shard is a full per-epoch permutation.
+    """
+    rng = np.random.default_rng([seed, epoch, rank])
+    pending: list[dict] = []
+
+    def emit(final: bool) -> Iterator[list[dict]]:
+        nonlocal pending
+        pending = [pending[i] for i in rng.permutation(len(pending))]
+        cut = len(pending) if final else len(pending) // batch_size * batch_size
+        for start in range(0, cut, batch_size):
+            yield pending[start:start + batch_size]
+        pending = pending[cut:]
+
+    for row in rows:
+        pending.append(row)
+        if len(pending) >= buffer:
+            yield from emit(final=False)
+    if pending:
+        yield from emit(final=True)
+
+
+def collate(rows: list[dict], hidden_size: int, max_tokens: int | None = None,
+            hidden_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Right-padded batch from feature rows (raw Parquet rows or :func:`decode_row` output).
+
+    Returns ``input_ids`` Long[B, T], ``hidden`` [B, T, H] (``hidden_dtype``), ``loss_mask``
+    Float[B, T], ``attention_mask`` Long[B, T]; T is the longest row (after cropping rows to
+    ``max_tokens``); padding is 0.
+    """
+    decoded = [r if isinstance(r.get("hidden"), torch.Tensor) else decode_row(r, hidden_size) for r in rows]
+    lengths = [min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for r in decoded]
+    batch, longest = len(decoded), max(lengths)
+    input_ids = torch.zeros(batch, longest, dtype=torch.long)
+    loss_mask = torch.zeros(batch, longest, dtype=torch.float32)
+    attention_mask = torch.zeros(batch, longest, dtype=torch.long)
+    hidden = torch.zeros(batch, longest, hidden_size, dtype=hidden_dtype)
+    for i, (row, n) in enumerate(zip(decoded, lengths)):
+        input_ids[i, :n] = row["input_ids"][:n]
+        loss_mask[i, :n] = row["loss_mask"][:n]
+        attention_mask[i, :n] = 1
+        hidden[i, :n] = row["hidden"][:n].to(hidden_dtype)
+    return {"input_ids": input_ids, "hidden": hidden, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+def parse_fail_at(value: str | int | None, variant: str) -> int | None:
+    """Step at which ``variant`` fails: ``N`` (all variants) or ``name:N[,name:N]``; None = never."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int):
+        return value
+    for item in str(value).split(","):
+        name, _, step = item.strip().rpartition(":")
+        if not name or name == variant:
+            return int(step)
+    return None
+
+
+class MetricsLog:
+    """``metrics.jsonl`` of one variant (rank 0): one JSON object per line, each with ``step``."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path else None
+
+    def truncate(self, step: int) -> None:
+        """Drop records after ``step`` (a resumed run replays from there)."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+
+@dataclass
+class TrainState:
+    """Progress saved in every checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    last_eval_epoch: int = -1
+    attempts: list[dict] = field(default_factory=list)
+    heldout: dict = field(default_factory=dict)
+
+
+def _all_reduce(values: list[float], device: torch.device, world: int) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+@torch.no_grad()
+def evaluate(module: DraftHead, heldout: dict[str, list[dict]], embed: torch.Tensor, head: torch.Tensor,
+             objective: ObjectiveConfig, depth: int, batch_size: int, hidden_size: int, pooled: list[str],
+             device: torch.device, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Held-out metrics per dataset and pooled over ``pooled`` datasets.
+
+    Keys ``heldout/<dataset>/{loss,feature,ce[,topk],acc<k>,tau}`` and ``heldout/{...}`` (pooled):
+    loss parts (no noise) are means over scored positions, ``acc<k>`` the greedy unrolled top-1
+    accuracy at draft position k = 1..``depth``, ``tau`` the simulated acceptance length.
+    """
+    parts = [p for p in LOSS_PARTS if p != "topk" or objective.algorithm == "hass"]
+    sums: dict[str, list[float]] = {}
+    for name in sorted(heldout):
+        acc = [0.0] * (len(parts) + 1 + 2 * depth)
+        for start in range(rank * batch_size, len(heldout[name]), world * batch_size):
+            batch = {k: v.to(device) for k, v in collate(heldout[name][start:start + batch_size], hidden_size).items()}
+            out = drafter_loss(module, batch, embed, head, objective, add_noise=False)
+            correct, total = unrolled_counts(module, batch, embed, head, depth)
+            for i, part in enumerate(parts):
+                acc[i] += out.parts[part] * out.tokens
+            acc[len(parts)] += out.tokens
+            for k in range(depth):
+                acc[len(parts) + 1 + k] += correct[k]
+                acc[len(parts) + 1 + depth + k] += total[k]
+        sums[name] = _all_reduce(acc, device, world)
+    metrics: dict[str, float] = {}
+    groups = {f"heldout/{name}": [name] for name in sums}
+    groups["heldout"] = [n for n in pooled if n in sums]
+    for prefix, names in groups.items():
+        if not names:
+            continue
+        total = [sum(sums[n][i] for n in names) for i in range(len(parts) + 1 + 2 * depth)]
+        tokens = total[len(parts)]
+        for i, part in enumerate(parts):
+            metrics[f"{prefix}/{part}"] = total[i] / tokens if tokens else float("nan")
+        accs = [c / t if t else float("nan") for c, t in
+                zip(total[len(parts) + 1:len(parts) + 1 + depth], total[len(parts) + 1 + depth:])]
+        for k, a in enumerate(accs, start=1):
+            metrics[f"{prefix}/acc{k}"] = a
+        metrics[f"{prefix}/tau"] = simulated_tau([0.0 if math.isnan(a) else a for a in accs])
+    return metrics
+
+
+def _resolve(value):
+    import ray
+
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def _target_weights(config: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = _resolve(config["weights"])
+    return weights["embed"].to(device), weights["lm_head"].to(device)
+
+
+def heldout_rows(tables: dict | None, hidden_size: int) -> dict[str, list[dict]]:
+    """Decoded held-out rows per dataset from pyarrow feature tables per dataset."""
+    rows: dict[str, list[dict]] = {}
+    for name, table in (tables or {}).items():
+        for row in table.to_pylist():
+            for key in ("input_ids", "loss_mask"):
+                if isinstance(row[key], dict):
+                    row[key] = row[key]["data"]
+            rows.setdefault(name, []).append(decode_row(row, hidden_size))
+    return rows
+
+
+class ShardRows:
+    """The rows of a dataset shard, read from Ray Data each epoch or, with ``cache``, once and then
+    replayed from memory in the same order."""
+
+    def __init__(self, shard, cache: bool):
+        self.shard, self.cache = shard, cache
+        self.rows: list[dict] | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        if self.rows is not None:
+            yield from self.rows
+            return
+        seen: list[dict] = []
+        for row in self.shard.iter_rows():
+            if self.cache:
+                seen.append(row)
+            yield row
+        if self.cache:
+            self.rows = seen
+
+
+def _save_checkpoint(directory: Path, module: DraftHead, optimizer: torch.optim.Optimizer, state: TrainState,
+                     fingerprint: TargetFingerprint, extra: dict) -> None:
+    module.save(directory / DRAFTER_DIR, fingerprint, extra=extra)
+    torch.save({"optimizer": optimizer.state_dict(), "state": asdict(state)}, directory / STATE_NAME)
+
+
+def noise_seed(seed: int, rank: int, step: int) -> int:
+    """Seed of the feature noise of ``step`` on ``rank``."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def _quiet_report_logs() -> None:
+    """Silence Ray Train's per-report INFO line (it prints every metric; its logger is named after
+    the module file, so ``LoggingConfig`` does not reach it)."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(config: dict) -> dict:
+    """Train one drafter variant on this worker's shard (see module docstring); returns the
+    final metrics on rank 0."""
+    import ray.train
+    import ray.train.torch
+    from ray.train import Checkpoint
+
+    _quiet_report_logs()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    variant = config["variant"]
+    train = TrainConfig.model_validate(config["train"])
+    objective = ObjectiveConfig.model_validate(config["objective"])
+    if config.get("threads"):
+        torch.set_num_threads(int(config["threads"]))
+    device = ray.train.torch.get_device()
+    embed, head = _target_weights(config, device)
+    hidden_size = int(embed.shape[1])
+    fingerprint = TargetFingerprint(**config["fingerprint"])
+    metrics_log = MetricsLog(config.get("metrics_path") if rank == 0 else None)
+
+    state, saved = TrainState(), None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            module = DraftHead.load(Path(directory) / DRAFTER_DIR, config["target_config"], fingerprint)
+            saved = torch.load(Path(directory) / STATE_NAME, map_location="cpu", weights_only=True)
+        state = TrainState(**saved["state"])
+    else:
+        d2t = config.get("draft_to_target")
+        module = DraftHead(config["target_config"], draft_to_target=None if d2t is None else torch.tensor(d2t),
+                           seed=int(config.get("drafter_seed", 0)))
+    module.metadata = {}
+    model = ray.train.torch.prepare_model(module.train())
+    module = unwrap(model)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=train.lr, betas=(0.9, 0.95),
+                                  weight_decay=train.weight_decay)
+    generator = torch.Generator(device=device)
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+    metrics_log.truncate(state.step)
+    state.attempts.append({"start_step": state.step, "time": time.time()})
+
+    stages = plan_stages(train, objective.algorithm)
+    total_epochs = sum(s.epochs for s in stages)
+    per_epoch = steps_per_epoch(int(config["train_rows"]), world, train.batch_size)
+    total_steps = total_epochs * per_epoch
+    fail_at = parse_fail_at(config.get("fail_at_step") or os.environ.get(FAIL_ENV), variant)
+    marker = Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
+    heldout = heldout_rows(_resolve(config.get("heldout")), hidden_size)
+    pooled = list(config.get("datasets") or [])
+    shard = ShardRows(ray.train.get_dataset_shard("train"), bool(config.get("cache_rows", False)))
+
+    def extra(final: bool) -> dict:
+        return {**config.get("meta", {}), "name": variant, "algorithm": objective.algorithm,
+                "objective": objective.model_dump(), "train": train.model_dump(),
+                "training": {"step": state.step, "total_steps": total_steps, "epochs": total_epochs,
+                             "tokens": state.tokens, "train_seconds": round(state.train_seconds, 2),
+                             "attempts": state.attempts, "final": final},
+                "metrics": state.heldout}
+
+    def report(metrics: dict, final: bool = False) -> None:
+        metrics = {"variant": variant, "step": state.step, "total_steps": total_steps, "tokens": state.tokens,
+                   "train_seconds": state.train_seconds, "attempt": len(state.attempts), "done": final, **metrics}
+        if rank != 0:
+            ray.train.report(metrics, checkpoint=None)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            _save_checkpoint(Path(directory), module, optimizer, state, fingerprint, extra(final))
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory),
+                             checkpoint_dir_name=f"checkpoint_step{state.step:07d}")
+
+    def log(line: str) -> None:
+        if rank == 0:
+            sys.stdout.write(f"[{variant}] {line}\n")
+            sys.stdout.flush()
+
+    if state.step:
+        log(f"resumed at step {state.step}/{total_steps} (attempt {len(state.attempts)})")
+    window = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
+    last: dict[str, float] = {}
+    for epoch in range(state.step // per_epoch, total_epochs):
+        stage = stage_of(stages, epoch)
+        stage_objective = objective if stage.topk_weight is None else objective.model_copy(
+            update={"topk_weight": stage.topk_weight})
+        stage_steps = stage.epochs * per_epoch
+        skip = state.step - epoch * per_epoch
+        batches = epoch_batches(shard, train.batch_size, train.shuffle_buffer, train.seed, epoch, rank)
+        for index, rows in enumerate(batches):
+            if index >= per_epoch:
+                break
+            if index < skip:
+                continue
+            if fail_at == state.step + 1 and not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+                raise InjectedFailure(f"{variant}: injected failure before step {state.step + 1} ({FAIL_ENV})")
+            started = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in
+                     collate(rows, hidden_size, train.max_tokens).items()}
+            lr = lr_at(state.step - stage.first_epoch * per_epoch, stage_steps, stage.lr, train.warmup_steps,
+                       train.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            generator.manual_seed(noise_seed(train.seed, rank, state.step))
+            with autocast:
+                out = drafter_loss(model, batch, embed, head, stage_objective, generator=generator)
+            optimizer.zero_grad(set_to_none=True)
+            out.total.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), train.grad_clip))
+            optimizer.step()
+            tokens = int(batch["attention_mask"].sum())
+            state.step += 1
+            state.tokens += tokens
+            seconds = time.perf_counter() - started
+            state.train_seconds += seconds
+            window["seconds"] += seconds
+            window["loss"] += out.parts["loss"]
+            window["acc1"] += out.top1_acc[0] if not math.isnan(out.top1_acc[0]) else 0.0
+            window["steps"] += 1
+            window["tokens"] += tokens
+            epoch_end = index + 1 == per_epoch
+            if state.step % train.log_every == 0 or epoch_end:
+                last = {"loss": window["loss"] / window["steps"], "train_acc1": window["acc1"] / window["steps"],
+                        "lr": lr, "grad_norm": grad_norm,
+                        "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9)}
+                metrics_log.append({"kind": "train", "step": state.step, "epoch": epoch + 1,
+                                    "time": time.time(), **last})
+                log(f"step {state.step}/{total_steps} epoch {epoch + 1}/{total_epochs} loss {last['loss']:.4f} "
+                    f"acc1 {last['train_acc1']:.3f} lr {lr:.2e} {last['tokens_per_s']:.0f} tok/s")
+                window = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
+            if state.step % train.checkpoint_every == 0 and not epoch_end:
+                report({"epoch": epoch + 1, **last})
+        if state.last_eval_epoch < epoch:
+            module.eval()
+            with autocast:
+                state.heldout = evaluate(module, heldout, embed, head, stage_objective, train.eval_depth,
+                                         train.batch_size, hidden_size, pooled, device, rank, world)
+            module.train()
+            state.last_eval_epoch = epoch
+            metrics_log.append({"kind": "eval", "step": state.step, "epoch": epoch + 1, "time": time.time(),
+                                **state.heldout})
+            log(f"epoch {epoch + 1}/{total_epochs} held-out " + " | ".join(
+                f"{name}: acc " + "/".join(f"{state.heldout[f'heldout/{name}/acc{k}']:.2f}"
+                                           for k in range(1, train.eval_depth + 1))
+                + f" tau {state.heldout[f'heldout/{name}/tau']:.2f}"
+                for name in sorted(heldout)))
+        report({"epoch": epoch + 1, **last, **state.heldout}, final=epoch + 1 == total_epochs)
+    return {"step": state.step, **state.heldout} if rank == 0 else {}
+

@@ -1,0 +1,194 @@
+"""``taps train`` end to end on a tiny random target: two variants train concurrently, one survives an
+injected failure by resuming from its last checkpoint, outputs are never overwritten silently, and
+input problems are one-line errors. The job-submission test runs its own Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from taps_ray import cli
+from taps_ray.config import load_config
+from taps_ray.models.drafter import DraftHead
+from taps_ray.train.launch import TrainLaunchError, run_training
+from taps_ray.train.loop import FAIL_ENV
+from tests.conftest import REPO
+from tests.train.train_helpers import drafter_tensors, tiny_experiment
+
+HASS = {"algorithm": "hass", "mixture": "math-only", "objective": {"hass_passes": 2, "topk_weight": 0.0},
+        "train": {"stage2": {"epochs": 1, "lr": 5e-4, "topk_weight": 1.0}}}
+STEPS = 18  # 24 rows / batch 4 = 6 steps per epoch; 2 epochs of stage 1 + 1 of stage 2
+FAIL_AT = 11  # checkpoints every 3 steps: the run resumes at step 9, mid-epoch 2
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    """Tiny target folder, math/chat feature sets and a config with variants ``a`` and ``b``
+    (identical settings); ``$TAPS_CACHE`` points at the fixture's features for the module."""
+    tmp = tmp_path_factory.mktemp("launch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAPS_CACHE", str(tmp / "cache"))
+        path, target = tiny_experiment(tmp, [{"name": "a", **HASS}, {"name": "b", **HASS}])
+        yield path, target
+
+
+@pytest.fixture(scope="module")
+def trained(experiment, ray_session):
+    path, target = experiment
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAIL_ENV, f"a:{FAIL_AT}")
+        summary = run_training(load_config(path), target=target)
+    return load_config(path), target, summary
+
+
+def _error_line(capsys) -> str:
+    """The CLI's error: exactly one stderr line starting with ``taps train: error:``."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("taps train: error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _records(cfg, variant):
+    path = cfg.run_dir / "drafters" / variant / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_variants_train_concurrently_into_loadable_drafters(trained):
+    cfg, target, summary = trained
+    assert [(r.variant, r.status, r.steps) for r in summary.variants] == [("a", "ok", STEPS), ("b", "ok", STEPS)]
+    for name in ("a", "b"):
+        out = cfg.run_dir / "drafters" / name
+        head = DraftHead.load(out, target.config, target.fingerprint)
+        assert head.draft_vocab_size == 48 and set(target.eos_token_ids) <= set(head.draft_to_target.tolist())
+        meta = json.loads((out / "config.json").read_text())
+        assert meta["training"]["final"] and meta["training"]["step"] == STEPS and meta["name"] == name
+        assert meta["mixture"]["counts"] == {"math": 24} and meta["metrics"]["heldout/math/acc1"] >= 0
+    a_times = [r["time"] for r in _records(cfg, "a")]
+    b_times = [r["time"] for r in _records(cfg, "b")]
+    assert min(a_times) < max(b_times) and min(b_times) < max(a_times), "the two runs did not overlap"
+    saved = json.loads((cfg.run_dir / "train_summary.json").read_text())
+    assert {v["variant"] for v in saved["variants"]} == {"a", "b"}
+
+
+def test_injected_failure_resumes_from_last_checkpoint_without_retraining(trained):
+    cfg, _, summary = trained
+    meta = {n: json.loads((cfg.run_dir / "drafters" / n / "config.json").read_text()) for n in ("a", "b")}
+    assert [a["start_step"] for a in meta["a"]["training"]["attempts"]] == [0, 9]
+    assert [a["start_step"] for a in meta["b"]["training"]["attempts"]] == [0]
+    steps = {n: [(r["kind"], r["step"]) for r in _records(cfg, n)] for n in ("a", "b")}
+    assert steps["a"] == steps["b"] and len(set(steps["a"])) == len(steps["a"])
+    assert steps["a"][-1] == ("eval", STEPS)
+    a, b = drafter_tensors(cfg.run_dir / "drafters" / "a"), drafter_tensors(cfg.run_dir / "drafters" / "b")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert (cfg.run_dir / "drafters" / "a" / ".injected_failure.rank0").exists()
+    assert not (cfg.run_dir / "drafters" / "b" / ".injected_failure.rank0").exists()
+
+
+def test_existing_run_is_refused_unless_resumed(trained, experiment, capsys):
+    cfg, target, _ = trained
+    weights = cfg.run_dir / "drafters" / "a" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    with pytest.raises(TrainLaunchError, match="--resume .* --force"):
+        run_training(cfg, target=target)
+    assert cli.main(["train", str(experiment[0]), "--variants", "b"]) == 2
+    assert "already holds variant(s) ['b']" in _error_line(capsys)
+    resumed = run_training(cfg, mode="resume", target=target)
+    assert resumed.variants == [] and weights.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("variants=[{name: x, mixture: nope}]", "unknown mixture 'nope'; valid mixtures: ['math-only', 'mixed']"),
+    ("mixtures.math-only={counts: {math: 99}}", "asks for 99 rows of 'math' but only 30 training rows exist"),
+    ("data.features.max_len=65", "missing or incomplete; run `taps prepare`"),
+    ("--variants=zzz", "unknown variant(s) ['zzz']; variants in config: ['a', 'b']"),
+])
+def test_input_problems_are_one_line_errors(experiment, capsys, override, message):
+    args = ["train", str(experiment[0])] + ([override] if not override.startswith("--") else [override])
+    assert cli.main(args) == 2
+    assert message in _error_line(capsys)
+
+
+def test_unwritable_output_dir(experiment, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["train", str(experiment[0]), f"output_dir={blocker}/runs"]) == 2
+    assert "is not writable" in _error_line(capsys)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.integration
+def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
+    """``ray job submit --working-dir . -- taps train CONFIG`` against a private head node."""
+    path, _ = experiment
+    cfg_path = tmp_path / "job.yaml"
+    raw = path.read_text().replace(str(path.parent / "runs"), str(tmp_path / "runs"))
+    cfg_path.write_text(raw)
+    gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_mgr, obj_mgr = _free_ports(9)
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "TAPS_CACHE": os.environ["TAPS_CACHE"]}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [f"{bin_dir}/ray", "start", "--head", "--block", f"--port={gcs}", f"--temp-dir={temp_dir}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+         f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={node_mgr}",
+         f"--object-manager-port={obj_mgr}", "--num-cpus=3", "--disable-usage-stats"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        client_ = None
+        for _ in range(90):
+            assert head.poll() is None, head.stdout.read()
+            try:
+                client_ = JobSubmissionClient(address)
+                break
+            except Exception:
+                time.sleep(1)
+        assert client_ is not None, "job server did not come up"
+        submit = subprocess.run(
+            [f"{bin_dir}/ray", "job", "submit", f"--address={address}", "--working-dir", ".", "--", "taps", "train", str(cfg_path), "train.epochs=1", "--variants", "b"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+        output = submit.stdout + submit.stderr
+        assert submit.returncode == 0, submit.stdout[-4000:]
+        assert "succeeded" in output and "| b | hass | math-only |" in output
+        jobs = client_.list_jobs()
+        assert [j.status.value for j in jobs] == ["SUCCEEDED"]
+        out = tmp_path / "runs" / "tiny" / "drafters" / "b"
+        meta = json.loads((out / "config.json").read_text())
+        assert meta["training"]["final"] and meta["training"]["step"] == 12
+    finally:
+        try:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,147 @@
+"""Training-loop pieces without Ray: batch order and resume skipping, schedule, collation, failure
+hook, metrics log, draft vocabulary, train/variant configs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from taps_ray.config import ConfigError, TrainConfig, load_config
+from taps_ray.train.loop import (
+    MetricsLog,
+    ShardRows,
+    collate,
+    epoch_batches,
+    lr_at,
+    parse_fail_at,
+    plan_stages,
+    stage_of,
+    steps_per_epoch,
+)
+from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
+from tests.conftest import REPO
+
+DEMO = REPO / "configs" / "demo.yaml"
+
+
+def _ids(batches):
+    return [[r["row_id"] for r in b] for b in batches]
+
+
+@pytest.mark.parametrize("buffer", [4, 7, 1000])
+def test_epoch_order_is_seeded_complete_and_replayable(buffer):
+    rows = [{"row_id": i} for i in range(23)]
+    first = _ids(epoch_batches(rows, 4, buffer, seed=5, epoch=1, rank=0))
+    assert first == _ids(epoch_batches(rows, 4, buffer, seed=5, epoch=1, rank=0))
+    assert sorted(i for b in first for i in b) == list(range(23))
+    assert [len(b) for b in first] == [4] * 5 + [3]
+    assert first != _ids(epoch_batches(rows, 4, buffer, seed=5, epoch=2, rank=0))
+    assert first != _ids(epoch_batches(rows, 4, buffer, seed=6, epoch=1, rank=0))
+    if buffer >= 23:
+        assert first != sorted(first) and sorted(i for b in first[:2] for i in b) != list(range(8))
+
+
+def test_shard_rows_replays_the_first_pass():
+    class Shard:
+        calls = 0
+
+        def iter_rows(self):
+            Shard.calls += 1
+            yield from ({"row_id": i} for i in range(5))
+
+    cached, streamed = ShardRows(Shard(), cache=True), ShardRows(Shard(), cache=False)
+    assert list(cached) == list(cached) == list(streamed) == list(streamed)
+    assert Shard.calls == 3
+
+
+def test_schedule_and_stages():
+    assert [round(lr_at(s, 10, 1.0, 2, "cosine"), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_at(9, 10, 1.0, 2, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lr_at(9, 10, 1.0, 0, "linear") == pytest.approx(0.1)
+    assert lr_at(9, 10, 1.0, 0, "constant") == 1.0
+    train = TrainConfig(epochs=2, lr=1e-3, stage2={"epochs": 1, "lr": 1e-4, "topk_weight": 1.0})
+    hass = plan_stages(train, "hass")
+    assert [(s.first_epoch, s.epochs, s.lr, s.topk_weight) for s in hass] == [(0, 2, 1e-3, None), (2, 1, 1e-4, 1.0)]
+    assert stage_of(hass, 2).lr == 1e-4 and stage_of(hass, 1).lr == 1e-3
+    assert len(plan_stages(train, "eagle2")) == 1
+    assert steps_per_epoch(25, 2, 4) == 3
+    with pytest.raises(ValueError):
+        steps_per_epoch(1, 2, 4)
+
+
+def _raw_row(row_id, length, hidden_size=3):
+    hidden = torch.arange(length * hidden_size, dtype=torch.float32).view(length, hidden_size).to(torch.bfloat16)
+    return {"row_id": row_id, "input_ids": np.arange(length, dtype=np.int32) + 2,
+            "loss_mask": np.r_[np.zeros(2, np.int8), np.ones(length - 2, np.int8)], "length": length,
+            "hidden": hidden.view(torch.int16).numpy().tobytes()}
+
+
+def test_collate_pads_right_and_crops():
+    batch = collate([_raw_row(0, 5), _raw_row(1, 3)], hidden_size=3)
+    assert batch["input_ids"].shape == (2, 5) and batch["hidden"].shape == (2, 5, 3)
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    assert batch["input_ids"][1].tolist() == [2, 3, 4, 0, 0]
+    assert batch["loss_mask"][1].tolist() == [0, 0, 1, 0, 0]
+    assert batch["hidden"][0, 4].tolist() == [12.0, 13.0, 14.0] and batch["hidden"][1, 3:].abs().sum() == 0
+    cropped = collate([_raw_row(0, 5), _raw_row(1, 3)], hidden_size=3, max_tokens=4)
+    assert cropped["input_ids"].shape == (2, 4) and cropped["attention_mask"][0].sum() == 4
+
+
+def test_fail_at_parsing():
+    assert parse_fail_at("7", "a") == 7 and parse_fail_at(7, "a") == 7
+    assert parse_fail_at("a:11,b:3", "b") == 3 and parse_fail_at("a:11", "b") is None
+    assert parse_fail_at(None, "a") is None and parse_fail_at("", "a") is None
+
+
+def test_metrics_log_truncates_to_resumed_step(tmp_path):
+    log = MetricsLog(tmp_path / "m" / "metrics.jsonl")
+    for step in (2, 4, 6, 8):
+        log.append({"step": step})
+    log.truncate(5)
+    log.append({"step": 6, "again": True})
+    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6] and records[-1]["again"]
+    MetricsLog(None).append({"step": 1})
+
+
+def test_draft_vocabulary_from_assistant_tokens(tmp_path):
+    table = pa.table({"row_id": pa.array([0, 1, 2], pa.int64()),
+                      "input_ids": pa.array([[5, 6, 6, 7], [6, 8, 8, 8], [9, 9, 9, 9]], pa.list_(pa.int32())),
+                      "loss_mask": pa.array([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], pa.list_(pa.int8()))})
+    pq.write_table(table, tmp_path / "a.parquet")
+    counts = token_counts([([str(tmp_path / "a.parquet")], np.array([0, 1]))], vocab_size=12)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 0, 3, 1, 3, 0, 0, 0]
+    ids = draft_vocabulary(counts, 3, always=[1])
+    assert ids.tolist() == [1, 6, 8]
+    assert coverage(counts, ids) == pytest.approx(6 / 7)
+    assert draft_vocabulary(counts, 5).tolist() == [0, 1, 6, 7, 8]
+    with pytest.raises(ValueError):
+        draft_vocabulary(counts, 13)
+
+
+VARIANTS = "variants=[{name: m, algorithm: hass, mixture: math-only, objective: {topk_weight: 0}}, " \
+           "{name: c, algorithm: eagle2, mixture: chat-only, train: {epochs: 5}}]"
+
+
+def test_variant_configs_validate_and_merge():
+    cfg = load_config(DEMO, [VARIANTS, "train.stage2={epochs: 1, lr: 1e-4}"])
+    hass, eagle = cfg.variants
+    assert hass.objective_config().topk_weight == 0 and hass.objective_config().passes == 3
+    assert cfg.variant_train(hass).stage2.epochs == 1 and cfg.variant_train(eagle).stage2 is None
+    assert cfg.variant_train(eagle).epochs == 5 and cfg.variant_train(hass).epochs == cfg.train.epochs
+    with pytest.raises(ConfigError, match=r"unknown mixture 'nope'; valid mixtures: \['chat-only', 'math-only', 'mixed'\]"):
+        load_config(DEMO, ["variants=[{name: x, mixture: nope}]"])
+    with pytest.raises(ConfigError, match="objective: unknown key"):
+        load_config(DEMO, ["variants=[{name: x, mixture: mixed, objective: {bogus: 1}}]"])
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(DEMO, ["variants=[{name: x, mixture: mixed, train: {lr: -1}}]"])
+    with pytest.raises(ConfigError, match="HASS recipe"):
+        load_config(DEMO, ["variants=[{name: x, mixture: mixed, train: {stage2: {epochs: 1}}}]"])
+    with pytest.raises(ConfigError, match="used twice"):
+        load_config(DEMO, ["variants=[{name: x, mixture: mixed}, {name: x, mixture: mixed}]"])
