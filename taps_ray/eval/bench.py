@@ -3,9 +3,11 @@
 Methods: ``vanilla`` (our plain decoding through ``TargetModel.forward``), ``hf-greedy`` (HF
 ``generate``), ``hf-prompt-lookup`` (HF prompt-lookup decoding) and ``spec`` (our speculative
 decoding with one drafter). Methods run interleaved prompt by prompt so background load hits them
-alike. Speedups are tokens/s ratios to ``vanilla``; ``match`` is the share of prompts whose
-greedy output equals vanilla token for token. The optional sweep varies ``total_tokens`` and
-``depth`` and reports the break-even tau (spec step time / vanilla step time): a tree pays only
+alike. Each run is timed twice: wall clock (the real speed) and process CPU time, which other
+load on a shared machine barely inflates when torch runs one thread (with more threads CPU time
+sums over them). Speedups are ratios to ``vanilla``; ``match`` is the share of prompts whose greedy
+output equals vanilla token for token. The optional sweep varies ``total_tokens`` and ``depth``
+and reports the break-even tau (spec step CPU time / vanilla step CPU time): a tree pays only
 where the drafter's tau exceeds it.
 """
 
@@ -30,32 +32,42 @@ from taps_ray.spec import stats
 from taps_ray.spec.decoder import SingleStrategy, generate
 
 PROMPT_LOOKUP_TOKENS = 10
+NAN = float("nan")
 
 
 @dataclass
 class Run:
-    """One generation: generated ``tokens``, wall ``seconds`` (prefill included), verification
-    ``steps`` (target forwards after the prefill) and our per-step records when available."""
+    """One generation: generated ``tokens``, ``seconds`` wall and ``cpu_seconds`` process time of the
+    whole call (prefill included), verification ``steps`` (target forwards after the prefill) and
+    our per-step records (times in CPU seconds) when available."""
 
     tokens: list[int]
     seconds: float
+    cpu_seconds: float
     steps: int
     records: list[stats.StepRecord] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
-        return (len(self.tokens) - 1) / self.steps if self.steps else float("nan")
+        return (len(self.tokens) - 1) / self.steps if self.steps else NAN
 
 
 Method = Callable[[torch.Tensor], Run]
 
 
+def _timed(call: Callable[[], object]) -> tuple[object, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = call()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
 def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int) -> Method:
-    """Our decoder with a fresh strategy per prompt (greedy)."""
+    """Our decoder with a fresh strategy per prompt (greedy); step records in CPU time."""
 
     def run(ids: torch.Tensor) -> Run:
-        result = generate(target, ids, make_strategy(), None, max_new_tokens, collect_entropy=False)
-        return Run(result.token_ids, result.total_s, len(result.steps), result.steps)
+        result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), None, max_new_tokens,
+                                                    collect_entropy=False, timer=time.process_time))
+        return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)
 
     return run
 
@@ -78,43 +90,46 @@ def hf_generate(target: TargetModel, max_new_tokens: int, prompt_lookup: int | N
         hook = target.model.register_forward_hook(count)
         try:
             with torch.inference_mode():
-                start = time.perf_counter()
-                out = target.model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
-                                            generation_config=config)
-                seconds = time.perf_counter() - start
+                out, wall, cpu = _timed(lambda: target.model.generate(
+                    input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], generation_config=config))
         finally:
             hook.remove()
-        return Run(out[0, ids.numel():].tolist(), seconds, calls[0] - 1)
+        return Run(out[0, ids.numel():].tolist(), wall, cpu, calls[0] - 1)
 
     return run
 
 
 @dataclass
 class MethodRow:
+    """Totals of one method over the prompts; ``step_cpu_ms`` from our step records (draft + verify)."""
+
     method: str
     prompts: int
     tokens: int
     seconds: float
+    cpu_seconds: float
     tokens_per_s: float
+    tokens_per_cpu_s: float
     tau: float
     tau_per_question: float
     steps: int
-    step_ms: float
-    speedup: float = float("nan")
-    match: float = float("nan")
+    step_cpu_ms: float
+    speedup: float = NAN
+    cpu_speedup: float = NAN
+    match: float = NAN
     note: str = ""
 
 
 def summarize_runs(method: str, runs: list[Run], note: str = "") -> MethodRow:
     tokens = sum(len(r.tokens) for r in runs)
-    seconds = sum(r.seconds for r in runs)
+    seconds, cpu = sum(r.seconds for r in runs), sum(r.cpu_seconds for r in runs)
     steps = sum(r.steps for r in runs)
-    appended = sum(len(r.tokens) - 1 for r in runs)
     taus = [r.tau for r in runs if r.steps]
     records = [rec for r in runs for rec in r.records]
-    step_ms = 1e3 * sum(rec.draft_s + rec.verify_s for rec in records) / len(records) if records else float("nan")
-    return MethodRow(method, len(runs), tokens, seconds, tokens / seconds, appended / steps if steps else float("nan"),
-                     sum(taus) / len(taus) if taus else float("nan"), steps, step_ms, note=note)
+    step_ms = 1e3 * sum(rec.draft_s + rec.verify_s for rec in records) / len(records) if records else NAN
+    return MethodRow(method, len(runs), tokens, seconds, cpu, tokens / seconds, tokens / cpu,
+                     sum(len(r.tokens) - 1 for r in runs) / steps if steps else NAN,
+                     sum(taus) / len(taus) if taus else NAN, steps, step_ms, note=note)
 
 
 @dataclass
@@ -135,30 +150,34 @@ class BenchReport:
             "",
             f"{s['prompts']} prompts, {s['max_new_tokens']} new tokens max, greedy, {s['dtype']} on {s['device']}, "
             f"{s['threads']} torch threads, load average {s['load_before']} -> {s['load_after']}; "
-            f"drafter: {s['drafter']}; tree: {s['tree']}.",
+            f"drafter: {s['drafter']}; tree: {s['tree']}. CPU columns use process time (robust to other "
+            f"load with one torch thread).",
             "",
-            "| method | tokens | tok/s | speedup | tau | tau (per question) | step ms | match vanilla | note |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| method | tokens | tok/s | speedup | tok/CPU-s | CPU speedup | tau | tau (per question) "
+            "| step CPU ms | match vanilla | note |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for m in self.methods:
-            lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x | {_fmt(m.tau)} | "
-                         f"{_fmt(m.tau_per_question)} | {_fmt(m.step_ms, 1)} | {m.match:.0%} | {m.note} |")
+            lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x | "
+                         f"{m.tokens_per_cpu_s:.2f} | {m.cpu_speedup:.2f}x | {_fmt(m.tau)} | "
+                         f"{_fmt(m.tau_per_question)} | {_fmt(m.step_cpu_ms, 1)} | {m.match:.0%} | {m.note} |")
         if self.sweep:
             lines += [
                 "",
                 "## Tree sweep (spec strategy)",
                 "",
-                "A tree pays when its drafter's tau exceeds the break-even tau = spec step time / vanilla step "
-                "time (least disturbed run of each; vanilla interleaved with the trees).",
+                "A tree pays when its drafter's tau exceeds the break-even tau = spec step CPU time / vanilla "
+                "step CPU time (vanilla interleaved with the trees; times are CPU ms per step).",
                 "",
-                "| depth | top_k | total_tokens | tau | tok/s | speedup | draft ms | verify ms | vanilla ms "
-                "| break-even tau |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "| depth | top_k | total_tokens | tau | tok/s | speedup | CPU speedup | draft ms | verify ms "
+                "| vanilla ms | break-even tau |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for row in self.sweep:
                 lines.append(f"| {row['depth']} | {row['top_k']} | {row['total_tokens']} | {_fmt(row['tau'])} | "
-                             f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['draft_ms']:.1f} | "
-                             f"{row['verify_ms']:.1f} | {row['vanilla_ms']:.1f} | {row['break_even_tau']:.2f} |")
+                             f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['cpu_speedup']:.2f}x | "
+                             f"{row['draft_ms']:.1f} | {row['verify_ms']:.1f} | {row['vanilla_ms']:.1f} | "
+                             f"{row['break_even_tau']:.2f} |")
         return "\n".join(lines) + "\n"
 
 
@@ -210,6 +229,7 @@ def run_bench(
     base = rows[0]
     for row in rows:
         row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.cpu_speedup = row.tokens_per_cpu_s / base.tokens_per_cpu_s
         row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
 
     sweep = []
@@ -235,39 +255,34 @@ def run_sweep(
     max_new_tokens: int,
     totals: list[int],
     depths: list[int],
-    rounds: int = 2,
 ) -> list[dict]:
     """tau, speed and break-even tau of the spec strategy for each (depth, total_tokens).
 
-    Vanilla runs interleaved with the trees, ``rounds`` times over ``prompts``. Step times are those
-    of each method's least disturbed run (lowest mean step time), so other load on the machine
-    inflates them least; break-even tau = spec step time / vanilla step time.
+    Vanilla runs interleaved with the trees; per-step costs are CPU ms (mean over all steps) and
+    break-even tau = (draft + verify) / vanilla step.
     """
     grid = [TreeConfig(depth=d, top_k=tree.top_k, total_tokens=n) for d in depths for n in totals]
     methods: dict[str, Method] = {"vanilla": ours(target, lambda: None, max_new_tokens)}
     for cfg in grid:
         methods[f"d{cfg.depth}-n{cfg.total_tokens}"] = ours(target, lambda cfg=cfg: SingleStrategy(drafter, cfg),
                                                              max_new_tokens)
-    runs = run_methods(prompts * rounds, methods, desc="sweep")
+    runs = run_methods(prompts, methods, desc="sweep")
 
-    def fastest_ms(method_runs: list[Run], part: Callable[[stats.StepRecord], float]) -> float:
-        return 1e3 * min(sum(part(rec) for rec in r.records) / len(r.records) for r in method_runs if r.records)
+    def mean_ms(method_runs: list[Run], part: Callable[[stats.StepRecord], float]) -> float:
+        records = [rec for r in method_runs for rec in r.records]
+        return 1e3 * sum(part(rec) for rec in records) / len(records)
 
-    def step(rec: stats.StepRecord) -> float:
-        return rec.draft_s + rec.verify_s
-
-    vanilla_ms = fastest_ms(runs["vanilla"], step)
-    vanilla_speed = summarize_runs("vanilla", runs["vanilla"]).tokens_per_s
+    base = summarize_runs("vanilla", runs["vanilla"])
+    vanilla_ms = mean_ms(runs["vanilla"], lambda rec: rec.draft_s + rec.verify_s)
     rows = []
     for cfg, name in zip(grid, list(methods)[1:]):
         row = summarize_runs(name, runs[name])
+        draft_ms, verify_ms = mean_ms(runs[name], lambda rec: rec.draft_s), mean_ms(runs[name], lambda rec: rec.verify_s)
         rows.append({
             "depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens, "tau": row.tau,
-            "tokens_per_s": row.tokens_per_s, "speedup": row.tokens_per_s / vanilla_speed,
-            "draft_ms": fastest_ms(runs[name], lambda rec: rec.draft_s),
-            "verify_ms": fastest_ms(runs[name], lambda rec: rec.verify_s),
-            "vanilla_ms": vanilla_ms,
-            "break_even_tau": fastest_ms(runs[name], step) / vanilla_ms,
+            "tokens_per_s": row.tokens_per_s, "speedup": row.tokens_per_s / base.tokens_per_s,
+            "cpu_speedup": row.tokens_per_cpu_s / base.tokens_per_cpu_s, "draft_ms": draft_ms,
+            "verify_ms": verify_ms, "vanilla_ms": vanilla_ms, "break_even_tau": (draft_ms + verify_ms) / vanilla_ms,
         })
     return rows
 

@@ -31,7 +31,8 @@ def test_bench_tiny_target(tmp_path, one_thread):
     assert list(rows) == ["vanilla", "hf-greedy", "hf-prompt-lookup", "spec"]
     for row in rows.values():
         assert row.match == 1.0 and row.prompts == 2 and row.tokens == 20 and row.tokens_per_s > 0
-    assert rows["vanilla"].speedup == 1.0 and rows["vanilla"].tau == 1.0 and rows["hf-greedy"].tau == 1.0
+    assert rows["vanilla"].speedup == rows["vanilla"].cpu_speedup == 1.0
+    assert rows["vanilla"].tau == 1.0 and rows["hf-greedy"].tau == 1.0 and rows["spec"].step_cpu_ms > 0
     assert rows["hf-prompt-lookup"].tau >= 1.0 and rows["spec"].steps >= 2
     assert [(r["depth"], r["total_tokens"]) for r in report.sweep] == [(1, 4), (1, 8)]
     assert all(r["break_even_tau"] > 0 and r["vanilla_ms"] > 0 for r in report.sweep)
