@@ -140,8 +140,10 @@ def build_tree(
         raise ValueError(f"parents must precede children: node {i} has parent {int(parent[i])}")
     mask = ancestor_mask(parent)
     depth = mask.sum(1) - 1
-    score = -depth.float() if score is None else torch.as_tensor(score, dtype=torch.float32)
-    entropy = torch.zeros(n) if entropy is None else torch.as_tensor(entropy, dtype=torch.float32)
+    device = tokens.device
+    score = -depth.float() if score is None else torch.as_tensor(score, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n, device=device) if entropy is None else torch.as_tensor(entropy, dtype=torch.float32,
+                                                                                    device=device)
     return DraftTree(tokens, parent, depth, score, entropy, mask, prefix_len, dict(meta or {}))
 
 
@@ -156,12 +158,13 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
         raise ValueError("merge_trees needs at least one tree")
     if len({t.prefix_len for t in trees}) != 1 or len({int(t.tokens[0]) for t in trees}) != 1:
         raise ValueError("trees must share the prefix and the root token to be merged")
-    sizes = torch.tensor([t.size for t in trees])
-    offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    device = trees[0].tokens.device
+    sizes = [t.size for t in trees]
+    offsets = [sum(sizes[:i]) for i in range(len(trees))]
     tokens = torch.cat([t.tokens for t in trees])
-    parent = torch.cat([torch.where(t.parent >= 0, t.parent + o, -1) for t, o in zip(trees, offsets.tolist())])
+    parent = torch.cat([torch.where(t.parent >= 0, t.parent + o, -1) for t, o in zip(trees, offsets)])
     depth = torch.cat([t.depth for t in trees])
-    source = torch.repeat_interleave(torch.arange(len(trees)), sizes)
+    source = torch.repeat_interleave(torch.arange(len(trees), device=device), torch.tensor(sizes, device=device))
     merged = torch.full_like(tokens, -1)
     merged[depth == 0] = 0
     next_id = 1
@@ -171,14 +174,14 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
         unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
         merged[nodes] = next_id + inverse
         next_id += unique.shape[0]
-    m_parent = torch.full((next_id,), -1, dtype=torch.long)
+    m_parent = torch.full((next_id,), -1, dtype=torch.long, device=device)
     m_parent[merged] = torch.where(parent >= 0, merged[parent.clamp(min=0)], -1)
-    m_tokens = torch.zeros(next_id, dtype=torch.long).scatter(0, merged, tokens)
+    m_tokens = torch.zeros(next_id, dtype=torch.long, device=device).scatter(0, merged, tokens)
     scores = torch.cat([t.score for t in trees]).float()
-    m_score = torch.full((next_id,), -torch.inf).scatter_reduce(0, merged, scores, "amax")
-    m_entropy = torch.zeros(next_id).scatter_reduce(0, merged, torch.cat([t.entropy for t in trees]).float(),
-                                                      "mean", include_self=False)
-    sources = torch.zeros(next_id, len(trees), dtype=torch.bool)
+    m_score = torch.full((next_id,), -torch.inf, device=device).scatter_reduce(0, merged, scores, "amax")
+    m_entropy = torch.zeros(next_id, device=device).scatter_reduce(
+        0, merged, torch.cat([t.entropy for t in trees]).float(), "mean", include_self=False)
+    sources = torch.zeros(next_id, len(trees), dtype=torch.bool, device=device)
     sources[merged, source] = True
     return build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
 
