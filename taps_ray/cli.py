@@ -308,6 +308,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "average": ("average drafter checkpoints in weight space", _add_average, _run_average),
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
     "train": ("train drafter variants concurrently with Ray Train", _add_train, _run_train),
+    "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)", _add_serve, _run_serve),
 }
 
 

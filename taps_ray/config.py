@@ -273,6 +273,88 @@ class VariantConfig(Strict):
                               {"algorithm": self.algorithm})
 
 
+class DrafterServeConfig(Strict):
+    """One drafter deployment of ``taps serve``.
+
+    ``checkpoint``: a drafter folder (None: a freshly initialised drafter from ``seed``, logged as
+    untrained). ``average_of`` + ``alpha``: instead, the weight average ``alpha * A + (1 - alpha) * B``
+    of two other drafters of the same config (served for strategy ``averaged:ALPHA``). Resources:
+    ``num_replicas`` or ``autoscaling`` (Ray Serve ``autoscaling_config`` keys), ``num_cpus``,
+    ``num_gpus``, ``threads`` (torch threads per replica), ``max_ongoing_requests``.
+    ``fault`` / ``delay_s`` inject failures for drills and tests: ``raise`` fails every draft call,
+    ``delay_s`` sleeps before each one.
+    """
+
+    checkpoint: str | None = None
+    seed: int = 0
+    average_of: list[str] | None = Field(default=None, min_length=2, max_length=2)
+    alpha: float = Field(default=0.5, ge=0.0, le=1.0)
+    num_replicas: int = Field(default=1, ge=1)
+    autoscaling: dict[str, Any] | None = None
+    num_cpus: float = Field(default=0.5, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    threads: int | None = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=32, ge=1)
+    fault: Literal["raise"] | None = None
+    delay_s: float = Field(default=0.0, ge=0)
+
+
+class ServeConfig(Strict):
+    """``taps serve``: Drafter deployments, one Verifier (the target) and the OpenAI-compatible ingress.
+
+    ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder (None: a fresh
+    untrained drafter). ``strategy`` and ``default_drafters`` (None: every non-averaged drafter, in
+    order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
+    answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget (and how
+    long an idle drafting session is kept). ``max_concurrent_requests`` per verifier replica.
+    ``route_probe_steps`` / ``route_recheck_every``: request-granularity routing probes with every
+    drafter for that many steps, then re-probes every that many steps (0: decides once per request).
+    ``model_name``: the served model id (None: the target's name).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    app_name: str = "taps"
+    model_name: str | None = None
+    strategy: str = "single"
+    drafters: dict[str, DrafterServeConfig] = Field(default_factory=lambda: {"default": DrafterServeConfig()})
+    default_drafters: list[str] | None = None
+    draft_deadline_s: float = Field(default=1.0, ge=0)
+    request_timeout_s: float = Field(default=300.0, gt=0)
+    max_tokens_default: int = Field(default=256, ge=1)
+    route_probe_steps: int = Field(default=2, ge=1)
+    route_recheck_every: int = Field(default=0, ge=0)
+    max_concurrent_requests: int = Field(default=8, ge=1)
+    verifier_replicas: int = Field(default=1, ge=1)
+    verifier_num_cpus: float = Field(default=1.0, ge=0)
+    verifier_num_gpus: float = Field(default=0.0, ge=0)
+    ingress_replicas: int = Field(default=1, ge=1)
+    ingress_num_cpus: float = Field(default=0.25, ge=0)
+
+    @field_validator("drafters", mode="before")
+    @classmethod
+    def _drafter_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: {"checkpoint": v} if v is None or isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _names(self) -> ServeConfig:
+        if not self.drafters:
+            raise ValueError("serve.drafters must name at least one drafter")
+        for name, drafter in self.drafters.items():
+            if not all(c.isalnum() or c in "_-." for c in name):
+                raise ValueError(f"drafter name {name!r}: use letters, digits, '_', '-', '.'")
+            for other in drafter.average_of or []:
+                if other not in self.drafters or self.drafters[other].average_of:
+                    raise ValueError(f"drafter {name!r}: average_of names {other!r}, which is not a plain "
+                                     f"drafter of serve.drafters")
+        for name in self.default_drafters or []:
+            if name not in self.drafters:
+                raise ValueError(f"default_drafters names unknown drafter {name!r}; drafters: {sorted(self.drafters)}")
+        return self
+
+
 class EvalConfig(Strict):
     """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions each.
 
@@ -326,6 +408,7 @@ class ExperimentConfig(Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     variants: list[VariantConfig] = Field(default_factory=list)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     extra: Annotated[dict[str, Any], Field(default_factory=dict, description="free-form notes")]
 
     @model_validator(mode="after")

@@ -1,0 +1,134 @@
+"""The Serve application: one Drafter deployment per configured drafter, the Verifier, the Ingress.
+
+``application(cfg)`` builds it from an :class:`~taps_ray.config.ExperimentConfig`; ``build_app``
+is the builder ``serve run`` / ``serve deploy`` import (``taps_ray.serving.app:build_app``) with
+``args`` = :class:`AppArgs`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from taps_ray.config import ConfigError, ExperimentConfig, apply_overrides, load_config
+from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
+from taps_ray.serving.ingress import Ingress
+from taps_ray.serving.protocol import RequestError
+from taps_ray.serving.verifier import Verifier, resolve_plan
+
+log = logging.getLogger(__name__)
+
+SESSION_GRACE_S = 60.0
+
+
+class AppArgs(BaseModel):
+    """``args`` of the application builder: an experiment YAML ``config`` (a path the Serve
+    controller's node can read) and/or an inline ``experiment`` mapping, plus dotted ``overrides``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | None = None
+    experiment: dict[str, Any] | None = None
+    overrides: list[str] = Field(default_factory=list)
+
+    def load(self) -> ExperimentConfig:
+        if self.config is not None:
+            cfg = load_config(self.config, self.overrides)
+            if self.experiment:
+                raw = cfg.model_dump()
+                raw.update(self.experiment)
+                return ExperimentConfig.model_validate(apply_overrides(raw, self.overrides))
+            return cfg
+        try:
+            return ExperimentConfig.model_validate(apply_overrides(dict(self.experiment or {}), self.overrides))
+        except Exception as err:
+            raise ConfigError(f"invalid experiment in serve args: {err}") from err
+
+
+def drafter_user_config(cfg: ExperimentConfig, name: str) -> dict:
+    """The hot-swappable ``user_config`` of drafter ``name``: its weights and fault injection."""
+    d = cfg.serve.drafters[name]
+    if d.average_of:
+        parts = [{"checkpoint": cfg.serve.drafters[p].checkpoint, "seed": cfg.serve.drafters[p].seed}
+                 for p in d.average_of]
+        weights = {"average": parts, "alpha": d.alpha}
+    else:
+        weights = {"checkpoint": d.checkpoint, "seed": d.seed}
+    return {**weights, "fault": d.fault, "delay_s": d.delay_s}
+
+
+def drafter_deployment_name(name: str) -> str:
+    return f"Drafter_{name}"
+
+
+def application(cfg: ExperimentConfig):
+    """The bound Serve application (ingress at the route prefix)."""
+    s = cfg.serve
+    try:
+        resolve_plan(None, None, s)
+    except RequestError as err:
+        raise ConfigError(f"serve.strategy: {err.message}") from None
+    target, tree = cfg.target.model_dump(), cfg.tree.model_dump()
+    ttl = s.request_timeout_s + SESSION_GRACE_S
+    router = RequestRouterConfig(request_router_class=SessionAffinityRouter)
+    drafters = {}
+    for name, d in s.drafters.items():
+        options: dict[str, Any] = dict(
+            name=drafter_deployment_name(name), user_config=drafter_user_config(cfg, name),
+            max_ongoing_requests=d.max_ongoing_requests, request_router_config=router, health_check_period_s=2.0,
+            ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+        )
+        if d.autoscaling:
+            options["autoscaling_config"] = d.autoscaling
+        else:
+            options["num_replicas"] = d.num_replicas
+        drafters[name] = serve.deployment(Drafter).options(**options).bind(name, target, tree, ttl, d.threads)
+    verifier = serve.deployment(Verifier).options(
+        name="Verifier", num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
+        ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus},
+    ).bind(target, tree, s.model_dump(), drafters)
+    model_name = s.model_name or served_model_name(cfg.target.model)
+    return serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=s.ingress_replicas, max_ongoing_requests=max(64, 4 * s.max_concurrent_requests),
+        ray_actor_options={"num_cpus": s.ingress_num_cpus},
+    ).bind(verifier, s.model_dump(), cfg.sampling.model_dump(), model_name, [cfg.target.model])
+
+
+def served_model_name(target: str) -> str:
+    """``embedded:smollm2-135m`` -> ``smollm2-135m``, ``hf:org/name`` -> ``org/name``."""
+    return target.split(":", 1)[1] if target.split(":", 1)[0] in ("embedded", "hf") else target
+
+
+def build_app(args: AppArgs):
+    """Application builder for ``serve run`` / ``serve deploy`` (``import_path: taps_ray.serving.app:build_app``)."""
+    return application(args.load())
+
+
+def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None, blocking: bool = True):
+    """Start (or join, with ``RAY_ADDRESS``) a Ray cluster, deploy the application on ``host:port`` and,
+    when ``blocking``, serve until interrupted (the application is deleted on the way out)."""
+    import time
+
+    from taps_ray.ray_utils import init_ray
+
+    init_ray()
+    host = host or cfg.serve.host
+    port = port or cfg.serve.port
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(cfg), name=cfg.serve.app_name, route_prefix="/", blocking=False)
+    url = f"http://{host}:{port}"
+    log.info("serving %s at %s/v1 (strategy %s, drafters %s); Ctrl-C to stop", cfg.target.model, url,
+             cfg.serve.strategy, list(cfg.serve.drafters))
+    if not blocking:
+        return url
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log.info("shutting down %s", cfg.serve.app_name)
+        serve.delete(cfg.serve.app_name)
+    return url

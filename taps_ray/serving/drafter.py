@@ -1,0 +1,236 @@
+"""Drafter deployment: one drafter checkpoint, per-request drafting sessions, sticky routing.
+
+The verifier drives a session with :meth:`DraftSessions.propose` once per step, sending the pairs
+``(token_{i+1}, f_i)`` accepted since the drafter's last confirmed count (``offset``). A session
+that does not hold the pairs up to ``offset`` (a new replica, a reaped or lost session) answers
+``{"need": held}`` and the verifier resends from there, so state is rebuilt exactly; pairs it
+already holds (a late call that did complete) are skipped. Sessions are freed by ``end`` or after
+``ttl_s`` idle seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from ray.serve.request_router import RequestRouter
+
+from taps_ray.config import TargetConfig, TreeConfig
+from taps_ray.models.drafter import DraftHead, average_drafters
+from taps_ray.models.target import TargetModel
+from taps_ray.spec.decoder import load_drafter
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+
+log = logging.getLogger(__name__)
+
+
+class DrafterFault(RuntimeError):
+    """Raised by a drafter configured with ``fault: raise`` (drills and tests)."""
+
+
+@dataclass
+class _Session:
+    state: DrafterState
+    held: int = 0
+    wanted: int = 0
+    tree_at: int = -1
+    last_used: float = field(default_factory=time.monotonic)
+    last_tree: DraftTree | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DraftSessions:
+    """Per-request :class:`DrafterState` keyed by request id; thread-safe, no Ray.
+
+    ``target`` supplies the embeddings, LM head and device (a :func:`drafting_view` is enough).
+    A session keeps the drafter it started with, so :meth:`swap` never disturbs running requests.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DraftHead, tree: TreeConfig, ttl_s: float = 300.0):
+        self.target = target
+        self.drafter = drafter
+        self.tree = tree
+        self.ttl_s = ttl_s
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._last_reap = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._sessions
+
+    def swap(self, drafter: DraftHead) -> None:
+        """Draft new sessions with ``drafter``; running sessions keep theirs."""
+        self.drafter = drafter
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> dict:
+        """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
+        request ``rid`` and draft a tree rooted at the last token.
+
+        Returns ``{"tree": DraftTree, "held": pairs held}``; ``{"need": held}`` when the session holds
+        fewer than ``offset`` pairs (resend from ``held``); ``{"superseded": True, "held": held}``
+        when a newer call of the same request is already waiting (its pairs are kept, no tree is
+        drafted for a step the verifier has given up on).
+        """
+        self._maybe_reap()
+        upto = offset + tokens.numel()
+        with self._lock:
+            session = self._sessions.get(rid)
+            if session is None:
+                if offset != 0:
+                    return {"need": 0}
+                session = self._sessions[rid] = _Session(DrafterState(self.drafter))
+            session.wanted = max(session.wanted, upto)
+        with session.lock:
+            session.last_used = time.monotonic()
+            if session.held < offset:
+                return {"need": session.held}
+            try:
+                if upto > session.held:
+                    skip = session.held - offset
+                    session.state.add(tokens[skip:], features[skip:])
+                    session.held = upto
+                if upto < session.wanted or upto < session.held:
+                    return {"superseded": True, "held": session.held}
+                if session.tree_at != upto:
+                    session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree)
+                    session.tree_at = upto
+            except Exception:
+                self.end(rid)
+                raise
+            return {"tree": session.last_tree, "held": session.held}
+
+    def end(self, rid: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(rid, None) is not None
+
+    def reap(self, now: float | None = None) -> int:
+        """Drop sessions idle for more than ``ttl_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [rid for rid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+            for rid in stale:
+                del self._sessions[rid]
+        if stale:
+            log.info("reaped %d idle drafting sessions", len(stale))
+        return len(stale)
+
+    def _maybe_reap(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reap > min(5.0, self.ttl_s):
+            self._last_reap = now
+            self.reap(now)
+
+
+def drafting_view(target: TargetModel) -> TargetModel:
+    """``target`` without its decoder layers: drafting needs only the embeddings and the LM head."""
+    import torch.nn as nn
+
+    target.model.model.layers = nn.ModuleList()
+    return target
+
+
+def build_drafter(target: TargetModel, spec: dict, name: str = "drafter") -> DraftHead:
+    """The drafter a ``user_config`` describes: ``checkpoint`` (None: fresh from ``seed``) or
+    ``average`` (two such specs) with ``alpha``."""
+    if spec.get("average"):
+        parts = [build_drafter(target, part, f"{name}/{i}") for i, part in enumerate(spec["average"])]
+        alpha = float(spec.get("alpha", 0.5))
+        log.info("drafter %s: weight average alpha=%.3f of %s", name, alpha, spec["average"])
+        return average_drafters(parts, [alpha, 1.0 - alpha]).eval()
+    checkpoint = spec.get("checkpoint")
+    if checkpoint is None:
+        log.warning("drafter %s: no checkpoint, serving a freshly initialised (untrained) drafter, seed %d",
+                    name, spec.get("seed", 0))
+    return load_drafter(target, checkpoint, spec.get("seed", 0))
+
+
+class Drafter:
+    """Ray Serve deployment body for one drafter checkpoint (see :mod:`taps_ray.serving.app`).
+
+    ``user_config`` (hot-swappable through :meth:`reconfigure`): ``checkpoint``, ``seed``,
+    ``average`` + ``alpha``, ``fault`` and ``delay_s``.
+    """
+
+    def __init__(self, name: str, target: dict, tree: dict, ttl_s: float = 300.0, threads: int | None = 1):
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = name
+        self.target = drafting_view(TargetModel.load(TargetConfig(**target)))
+        self.tree = TreeConfig(**tree)
+        self.ttl_s = ttl_s
+        self.sessions: DraftSessions | None = None
+        self.spec: dict | None = None
+        self.fault: str | None = None
+        self.delay_s = 0.0
+
+    def reconfigure(self, user_config: dict) -> None:
+        spec = {k: user_config.get(k) for k in ("checkpoint", "seed", "average", "alpha") if k in user_config}
+        if spec != self.spec:
+            drafter = build_drafter(self.target, spec, self.name)
+            if self.sessions is None:
+                self.sessions = DraftSessions(self.target, drafter, self.tree, self.ttl_s)
+            else:
+                self.sessions.swap(drafter)
+            self.spec = spec
+            log.info("drafter %s: now serving %s (running sessions keep their drafter)", self.name, spec)
+        self.fault = user_config.get("fault")
+        self.delay_s = float(user_config.get("delay_s") or 0.0)
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> dict:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fault == "raise":
+            raise DrafterFault(f"drafter {self.name}: injected fault")
+        return self.sessions.propose(rid, offset, tokens, features)
+
+    def end(self, rid: str) -> bool:
+        return self.sessions.end(rid)
+
+    def stats(self) -> dict:
+        """This replica's name, actor name, pid, live sessions, weights spec and resident memory."""
+        self.sessions.reap()
+        return {"name": self.name, "replica": _replica_actor_name(), "pid": os.getpid(),
+                "sessions": len(self.sessions), "spec": self.spec, "rss_bytes": rss_bytes()}
+
+
+def _replica_actor_name() -> str | None:
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:
+        return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (-1 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return -1
+
+
+def _affinity(key: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
+
+
+class SessionAffinityRouter(RequestRouter):
+    """Routes every call of one request (first argument: the request id) to the same replica, by
+    rendezvous hashing over the live replicas; the others rank second (a full or dead replica is
+    passed over, and the session is then rebuilt where the call lands)."""
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if pending_request is None or not pending_request.args or not candidate_replicas:
+            return [candidate_replicas]
+        key = str(pending_request.args[0])
+        ranked = sorted(candidate_replicas, key=lambda r: _affinity(key, r.replica_id.unique_id), reverse=True)
+        return [ranked[:1], ranked[1:]]

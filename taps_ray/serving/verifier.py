@@ -1,0 +1,631 @@
+"""Verifier deployment: the target model and the decode loop over remote drafters.
+
+The loop is :func:`taps_ray.spec.decoder.generate`, unchanged: a :class:`RemoteStrategy` is its
+``Strategy``. Each ``propose`` sends every drafter of the request's plan the pairs it has not yet
+confirmed, waits for all replies until the per-step deadline (the calls run in parallel, so a step
+costs about one drafter's latency), composes the trees that arrived (single / routed / merged) and
+returns the tree to verify, or None (decode one token plainly) when no drafter answered in time.
+``advance`` records the accepted pairs and streams the new tokens out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from taps_ray.config import ServeConfig, TargetConfig, TreeConfig
+from taps_ray.models.target import TargetModel
+from taps_ray.serving.drafter import rss_bytes
+from taps_ray.serving.protocol import RequestError
+from taps_ray.spec.compose import StrategySpec, best_index, parse_strategy, tree_signal
+from taps_ray.spec.decoder import DecodeState, check_sampling, generate
+from taps_ray.spec.stats import StepRecord
+from taps_ray.spec.tree import DraftTree, merge_trees, rerank
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Plan:
+    """How a request drafts: the parsed strategy and the drafter deployments it composes, in order."""
+
+    spec: StrategySpec
+    drafters: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+
+def resolve_plan(strategy: str | None, drafters: list[str] | None, cfg: ServeConfig) -> Plan:
+    """The :class:`Plan` for a request's ``taps.strategy`` / ``taps.drafters`` under the server config;
+    :class:`RequestError` naming the field when either is unknown or they do not fit together.
+
+    ``averaged[:ALPHA]`` is served by a drafter configured with ``average_of`` and that ``alpha``
+    (weights are averaged when the deployment loads, not per request).
+    """
+    try:
+        spec = parse_strategy(strategy or cfg.strategy)
+    except ValueError as err:
+        raise RequestError(str(err), "taps.strategy", code="strategy_not_found") from None
+    unknown = [d for d in drafters or [] if d not in cfg.drafters]
+    if unknown:
+        raise RequestError(f"unknown drafter(s) {unknown}; this server has {sorted(cfg.drafters)}",
+                           "taps.drafters", code="drafter_not_found")
+    plain = [n for n, d in cfg.drafters.items() if not d.average_of]
+    defaults = list(cfg.default_drafters or plain)
+    if spec.kind == "vanilla":
+        return Plan(spec)
+    if spec.kind == "single":
+        if spec.drafter is not None and spec.drafter not in cfg.drafters:
+            raise RequestError(f"strategy {spec.name!r}: unknown drafter {spec.drafter!r}; this server has "
+                               f"{sorted(cfg.drafters)}", "taps.strategy", code="drafter_not_found")
+        if spec.drafter is not None and drafters and list(drafters) != [spec.drafter]:
+            raise RequestError(f"strategy {spec.name!r} names its drafter; taps.drafters {drafters} disagrees",
+                               "taps.drafters")
+        chosen = [spec.drafter] if spec.drafter else list(drafters or defaults[:1])
+        if len(chosen) != 1:
+            raise RequestError(f"strategy 'single' takes one drafter, got {chosen}", "taps.drafters")
+        return Plan(spec, tuple(chosen))
+    if spec.kind == "averaged":
+        alpha = 0.5 if spec.alpha is None else spec.alpha
+        served = [n for n, d in cfg.drafters.items() if d.average_of and abs(d.alpha - alpha) < 1e-6
+                  and (not drafters or list(drafters) in (list(d.average_of), [n]))]
+        if not served:
+            have = {n: f"{d.alpha:g}*{d.average_of[0]} + {1 - d.alpha:g}*{d.average_of[1]}"
+                    for n, d in cfg.drafters.items() if d.average_of}
+            of = f" of {drafters}" if drafters else ""
+            raise RequestError(f"no averaged drafter with alpha {alpha:g}{of} is served; averaged drafters: "
+                               f"{have or 'none'} (configure one with serve.drafters.NAME.average_of and alpha)",
+                               "taps.strategy", code="strategy_not_found")
+        return Plan(spec, (served[0],))
+    chosen = list(drafters or defaults)
+    if len(chosen) < spec.min_drafters or len(set(chosen)) != len(chosen):
+        raise RequestError(f"strategy {spec.name!r} composes {spec.min_drafters} or more distinct drafters, "
+                           f"got {chosen}", "taps.drafters")
+    return Plan(spec, tuple(chosen))
+
+
+def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: Sequence[str],
+                  total_tokens: int) -> tuple[DraftTree, dict]:
+    """The tree to verify from one tree per drafter (None: that drafter gave none this step) and the
+    decision meta: routed picks by signal (missing drafters get NaN), merged takes the trie union of
+    the trees there are (pruned to ``total_tokens`` for budget), anything else the first tree."""
+    present = [i for i, t in enumerate(trees) if t is not None]
+    if not present:
+        raise ValueError("compose_trees needs at least one tree")
+    if spec.kind == "routed":
+        values = torch.stack([tree_signal(t, spec.signal) if t is not None else torch.tensor(math.nan) for t in trees])
+        pick = best_index(values, spec.signal)
+        pick = pick if trees[pick] is not None else present[0]
+        return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
+    if spec.kind == "merged":
+        merged = merge_trees([trees[i] for i in present])
+        sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
+        sources[:, present] = merged.meta.pop("sources")
+        union_size = merged.size
+        if spec.merge == "budget" and merged.size > total_tokens:
+            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], total_tokens - 1)])
+            merged, sources = merged.select(keep), sources[keep]
+        return merged, {"tree_sizes": torch.tensor([t.size if t is not None else 0 for t in trees]),
+                        "union_size": union_size, "verified_size": merged.size,
+                        "node_sources": sources[1:].sum(0), "shared_nodes": (sources[1:].sum(1) > 1).sum()}
+    return trees[present[0]], {}
+
+
+class RequestRoute:
+    """Routing decided per request: every drafter drafts for ``probe_steps`` steps, the best mean
+    signal wins, and the winner drafts alone, re-probing every ``recheck_every`` steps (0: never)."""
+
+    def __init__(self, signal: str, probe_steps: int = 2, recheck_every: int = 0):
+        self.signal = signal
+        self.probe_steps = probe_steps
+        self.recheck_every = recheck_every
+        self.step = 0
+        self.choice: int | None = None
+        self.window: torch.Tensor | None = None
+        self.window_steps = 0
+
+    def probing(self) -> bool:
+        """Whether this step (counted on each call) drafts with every drafter."""
+        step, self.step = self.step, self.step + 1
+        if self.choice is None:
+            return True
+        if self.recheck_every == 0:
+            return step < self.probe_steps
+        return step % (self.probe_steps + self.recheck_every) < self.probe_steps
+
+    def observe(self, signals: torch.Tensor) -> int | None:
+        """Add a probe step's signals [K]; the new choice when the window completes, else None."""
+        self.window = signals if self.window is None else self.window + signals
+        self.window_steps += 1
+        if self.window_steps < self.probe_steps:
+            return None
+        self.choice = best_index(self.window / self.window_steps, self.signal)
+        self.window, self.window_steps = None, 0
+        return self.choice
+
+
+class Reply(Protocol):
+    def result(self, timeout: float) -> dict: ...
+
+
+class DrafterClient(Protocol):
+    """A drafter as the verifier sees it (a deployment handle, or a local object in tests)."""
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> Reply: ...
+
+    def end(self, rid: str) -> None: ...
+
+
+class HandleClient:
+    """A :class:`DrafterClient` over a Ray Serve deployment handle of :class:`~taps_ray.serving.drafter.Drafter`."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> Reply:
+        return _HandleReply(self.handle.propose.remote(rid, offset, tokens, features))
+
+    def end(self, rid: str) -> None:
+        self.handle.end.remote(rid)
+
+
+class _HandleReply:
+    def __init__(self, response):
+        self.response = response
+
+    def result(self, timeout: float) -> dict:
+        return self.response.result(timeout_s=max(timeout, 1e-3))
+
+
+class StopGeneration(Exception):
+    """Ends a decode loop early: ``reason`` is ``stop`` (a stop sequence), ``cancelled`` or ``timeout``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class StepInfo:
+    """What the strategy saw in one step: the tree size verified (1: plain), who answered, who was
+    skipped and why, the route taken; ``accepted`` is filled by ``advance``."""
+
+    tree_size: int = 1
+    answered: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    route: str | None = None
+    accepted: int | None = None
+
+
+class RemoteStrategy:
+    """A :class:`~taps_ray.spec.decoder.Strategy` whose drafters live elsewhere (see module docs).
+
+    ``on_tokens`` receives every token id list the loop commits (the first token, then each step's
+    accepted + bonus tokens, the final step's excepted) and may raise :class:`StopGeneration`.
+    ``cancel`` / ``expires`` (monotonic time) stop the loop with reason ``cancelled`` / ``timeout``.
+    """
+
+    def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
+                 total_tokens: int, on_tokens: Callable[[list[int]], None] | None = None,
+                 cancel: threading.Event | None = None, expires: float | None = None,
+                 probe_steps: int = 2, recheck_every: int = 0):
+        self.name = plan.name
+        self.rid = rid
+        self.plan = plan
+        self.names = list(plan.drafters)
+        self.clients = clients
+        self.deadline_s = deadline_s
+        self.total_tokens = total_tokens
+        self.on_tokens = on_tokens
+        self.cancel = cancel
+        self.expires = expires
+        self.route = RequestRoute(plan.spec.signal, probe_steps, recheck_every) \
+            if plan.kind == "routed" and plan.spec.granularity == "request" else None
+        self.contacted: set[str] = set()
+        self.sent: dict[str, int] = {}
+        self.steps: list[StepInfo] = []
+        self.skips: dict[str, Counter] = defaultdict(Counter)
+        self.device = torch.device("cpu")
+        self._tokens = torch.empty(0, dtype=torch.long)
+        self._features = torch.empty(0)
+        self.length = 0
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.device = target.device
+        n = tokens.numel()
+        self._tokens = torch.empty(max(2 * n, 64), dtype=torch.long)
+        self._features = torch.empty(self._tokens.numel(), features.shape[-1], dtype=features.dtype)
+        self._append(tokens.cpu(), features.cpu())
+        self.sent = {name: 0 for name in self.names}
+        self._emit(tokens[-1:])
+
+    def propose(self, state: DecodeState) -> DraftTree | None:
+        self._check()
+        info = StepInfo()
+        self.steps.append(info)
+        if not self.names:
+            return None
+        probe = self.route.probing() if self.route is not None else True
+        drafting = self.names if probe else [self.names[self.route.choice]]
+        got = self._gather(drafting, info)
+        root = int(state.tokens[-1])
+        for name in list(got):
+            if got[name].prefix_len != state.prefix_len or int(got[name].tokens[0]) != root:
+                self._skip(info, name, "stale")
+                del got[name]
+        if not got:
+            return None
+        tree, meta = compose_trees(self.plan.spec, [got.get(n) for n in self.names], self.names, self.total_tokens)
+        if self.plan.kind == "routed":
+            meta["probe"] = probe
+        if self.route is not None:
+            meta["decision"] = self._decide(meta["signals"]) if probe else self.names[self.route.choice]
+        info.route = meta.get("route")
+        info.tree_size = tree.size
+        tree.meta = {**tree.meta, **meta, "answered": list(got)}
+        return _to_device(tree, self.device)
+
+    def _decide(self, signals: torch.Tensor) -> str | None:
+        """Feed a probe step's signals to the request route; once it decides (and never rechecks),
+        free the sessions of the drafters it left out."""
+        choice = self.route.observe(signals)
+        if choice is None:
+            return None
+        if self.route.recheck_every == 0:
+            for i, name in enumerate(self.names):
+                if i != choice and name in self.contacted:
+                    self.clients[name].end(self.rid)
+                    self.contacted.discard(name)
+        return self.names[choice]
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self._append(tokens.cpu(), features.cpu())
+        if self.steps:
+            self.steps[-1].accepted = tokens.numel() - 1
+        self._emit(tokens)
+        self._check()
+
+    def close(self) -> None:
+        """Free this request's drafting sessions."""
+        for name in self.contacted:
+            try:
+                self.clients[name].end(self.rid)
+            except Exception as err:
+                log.info("request %s: ending the session on drafter %s failed: %s", self.rid, name, err)
+
+    @property
+    def skip_counts(self) -> dict[str, dict[str, int]]:
+        return {name: dict(c) for name, c in self.skips.items()}
+
+    def _append(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        n = tokens.numel()
+        if self.length + n > self._tokens.numel():
+            size = 2 * (self.length + n)
+            self._tokens = torch.cat([self._tokens[:self.length], self._tokens.new_empty(size - self.length)])
+            self._features = torch.cat([self._features[:self.length],
+                                        self._features.new_empty(size - self.length, self._features.shape[1])])
+        self._tokens[self.length:self.length + n] = tokens.reshape(-1)
+        self._features[self.length:self.length + n] = features.reshape(n, -1)
+        self.length += n
+
+    def _emit(self, tokens: torch.Tensor) -> None:
+        if self.on_tokens is not None:
+            self.on_tokens(tokens.tolist())
+
+    def _check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise StopGeneration("cancelled")
+        if self.expires is not None and time.monotonic() > self.expires:
+            raise StopGeneration("timeout")
+
+    def _send(self, name: str, offset: int) -> Reply:
+        self.contacted.add(name)
+        end = self.length
+        return self.clients[name].propose(self.rid, offset, self._tokens[offset:end].clone(),
+                                          self._features[offset:end].clone())
+
+    def _gather(self, names: list[str], info: StepInfo) -> dict[str, DraftTree]:
+        deadline = time.monotonic() + self.deadline_s
+        pending: dict[str, Reply] = {}
+        for name in names:
+            try:
+                pending[name] = self._send(name, self.sent[name])
+            except Exception as err:
+                self._skip(info, name, "error", err)
+        trees: dict[str, DraftTree] = {}
+        for attempt in range(2):
+            resend: dict[str, Reply] = {}
+            for name, reply in pending.items():
+                try:
+                    answer = reply.result(deadline - time.monotonic())
+                except TimeoutError:
+                    self._skip(info, name, "deadline")
+                    continue
+                except Exception as err:
+                    self._skip(info, name, "error", err)
+                    continue
+                if "need" in answer:
+                    self.sent[name] = answer["need"]
+                    if attempt == 0:
+                        try:
+                            resend[name] = self._send(name, answer["need"])
+                        except Exception as err:
+                            self._skip(info, name, "error", err)
+                    else:
+                        self._skip(info, name, "resync")
+                elif "tree" in answer:
+                    self.sent[name] = answer["held"]
+                    trees[name] = answer["tree"]
+                    info.answered.append(name)
+                else:
+                    self._skip(info, name, "stale")
+            pending = resend
+        return trees
+
+    def _skip(self, info: StepInfo, name: str, reason: str, err: Exception | None = None) -> None:
+        info.skipped[name] = reason
+        first = not self.skips[name]
+        self.skips[name][reason] += 1
+        (log.warning if first else log.debug)("request %s step %d: drafter %s skipped (%s%s)", self.rid,
+                                               len(self.steps), name, reason, f": {err!r}" if err else "")
+
+
+def _to_device(tree: DraftTree, device: torch.device) -> DraftTree:
+    if tree.tokens.device == device:
+        return tree
+    for name in ("tokens", "parent", "depth", "score", "entropy", "mask"):
+        setattr(tree, name, getattr(tree, name).to(device))
+    return tree
+
+
+class TextStream:
+    """Incremental detokenization with stop sequences.
+
+    :meth:`push` takes committed token ids and returns the text that is safe to send: it holds back
+    a tail that may still grow into a stop sequence and an incomplete character at the end. After
+    a stop sequence, ``hit`` is set, the text ends before it and ``used`` counts the tokens consumed.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.window = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    @property
+    def used(self) -> int:
+        return len(self.ids)
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def _pending_stop(self) -> int:
+        """Length of the longest tail of the text that begins a stop sequence."""
+        for k in range(min(self.window, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in self.stop):
+                return k
+        return 0
+
+    def push(self, ids: list[int]) -> str:
+        if self.hit or not ids:
+            return ""
+        if not self.stop:
+            self.ids += ids
+            self.text = self._decode()
+        else:
+            for token in ids:
+                self.ids.append(token)
+                text = self._decode()
+                start = max(0, len(self.text) - self.window)
+                found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+                if found:
+                    self.text, self.hit = text[:min(found)], True
+                    break
+                self.text = text
+        safe = len(self.text) if self.hit else len(self.text) - self._pending_stop()
+        while not self.hit and safe > self.sent and self.text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
+
+    def flush(self) -> str:
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta
+
+
+@dataclass
+class DecodeRequest:
+    """One request as the ingress hands it over: ``prompt`` is chat messages, raw text (``raw``) or
+    token ids; ``prompt_param`` names the request field for errors."""
+
+    rid: str
+    prompt: list[dict] | str | list[int]
+    plan: Plan
+    max_tokens: int | None = None
+    sampling: dict = field(default_factory=dict)
+    stop: list[str] | None = None
+    raw: bool = False
+    prompt_param: str = "messages"
+    deadline_s: float | None = None
+
+
+def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float | None, total_s: float,
+              records: list[StepRecord] | None = None) -> dict:
+    """The response's ``taps`` block (and what the metrics count). ``records`` (the loop's step
+    records, when it ran to the end) give the accepted and appended counts; else ``steps`` do."""
+    if records is not None:
+        accepted, appended = [r.accepted for r in records], [r.appended for r in records]
+    else:
+        accepted = [s.accepted or 0 for s in steps]
+        appended = [a + 1 for a in accepted]
+    routes = [s.route for s in steps if s.route is not None]
+    out = {
+        "strategy": plan.name, "drafters": list(plan.drafters), "steps": len(steps),
+        "tau": sum(appended) / len(steps) if steps else None,
+        "accept_lengths": accepted,
+        "draft_tokens": sum(s.tree_size - 1 for s in steps),
+        "accepted_tokens": sum(accepted),
+        "drafted_steps": sum(s.tree_size > 1 for s in steps),
+        "plain_steps": sum(s.tree_size <= 1 for s in steps),
+        "route_decisions": dict(Counter(routes)),
+        "skipped": skips,
+        "prefill_s": None if prefill_s is None else round(prefill_s, 4), "total_s": round(total_s, 4),
+    }
+    if plan.kind == "routed":
+        out["route_per_step"] = [s.route for s in steps]
+    return out
+
+
+class Verifier:
+    """Ray Serve deployment body holding the target (see :mod:`taps_ray.serving.app`).
+
+    :meth:`generate` streams events for one request: ``start`` (prompt tokens, max tokens) or
+    ``error`` first, then ``delta`` texts, then ``done`` (finish reason, usage, ``taps`` block).
+    """
+
+    def __init__(self, target: dict, tree: dict, serve: dict, drafters: dict):
+        self.cfg = ServeConfig(**serve)
+        target_cfg = TargetConfig(**target)
+        self.target = TargetModel.load(target_cfg)
+        self.tree = TreeConfig(**tree)
+        self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
+        self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
+
+    def info(self) -> dict:
+        """The target, its context length, the drafters, this replica's pid and resident memory."""
+        return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
+                "pid": os.getpid(), "rss_bytes": rss_bytes()}
+
+    async def generate(self, request: DecodeRequest):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(event: dict) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        loop.run_in_executor(self.pool, self.decode, request, emit, cancel)
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event["type"] in ("done", "error"):
+                    break
+        finally:
+            cancel.set()
+
+    def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None,
+               clients: dict[str, DrafterClient] | None = None) -> None:
+        """Run one request to completion, reporting through ``emit`` (never raises)."""
+        try:
+            self._decode(request, emit, cancel, clients or self.clients)
+        except RequestError as err:
+            emit({"type": "error", "status": err.status, "message": err.message, "param": err.param,
+                  "code": err.code, "error_type": err.type})
+        except Exception as err:
+            log.exception("request %s failed", request.rid)
+            emit({"type": "error", "status": 500, "message": f"internal error: {err}", "param": None,
+                  "code": None, "error_type": "server_error"})
+
+    def _decode(self, request: DecodeRequest, emit, cancel, clients) -> None:
+        target = self.target
+        ids = self._prompt_ids(request)
+        n, limit = len(ids), target.max_context
+        if n >= limit:
+            raise RequestError(f"the prompt has {n} tokens; this model's context length is {limit} tokens, so at "
+                               f"most {limit - 1} prompt tokens fit", request.prompt_param,
+                               code="context_length_exceeded")
+        room = limit - n
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(self.cfg.max_tokens_default, room)
+        if max_tokens > room:
+            raise RequestError(f"max_tokens is {max_tokens}, but the prompt has {n} tokens and this model's context "
+                               f"length is {limit}: at most {room} new tokens fit", "max_tokens",
+                               code="context_length_exceeded")
+        try:
+            sampling = check_sampling(request.sampling)
+        except ValueError as err:
+            raise RequestError(str(err), str(err).split()[0]) from None
+        missing = [d for d in request.plan.drafters if d not in clients]
+        if missing:
+            raise RequestError(f"drafter(s) {missing} are not deployed", "taps.drafters", code="drafter_not_found")
+        emit({"type": "start", "prompt_tokens": n, "max_tokens": max_tokens})
+
+        text = TextStream(target.tokenizer, request.stop)
+
+        def on_tokens(tokens: list[int]) -> None:
+            delta = text.push(tokens)
+            if delta:
+                emit({"type": "delta", "text": delta})
+            if text.hit:
+                raise StopGeneration("stop")
+
+        deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
+        strategy = RemoteStrategy(request.rid, request.plan, clients, deadline, self.tree.total_tokens, on_tokens,
+                                  cancel, time.monotonic() + self.cfg.request_timeout_s, self.cfg.route_probe_steps,
+                                  self.cfg.route_recheck_every)
+        start = time.perf_counter()
+        result, stopped = None, None
+        try:
+            result = generate(target, torch.tensor(ids), strategy, sampling, max_tokens)
+        except StopGeneration as stop:
+            stopped = stop.reason
+        finally:
+            strategy.close()
+        if stopped in ("cancelled", "timeout"):
+            if stopped == "timeout":
+                raise RequestError(f"request timed out after {self.cfg.request_timeout_s:g} s", None, status=504,
+                                   type="timeout_error", code="timeout")
+            return
+        if result is not None:
+            tail = result.token_ids[text.used:]
+            delta = text.push(tail)
+            finish = "stop" if text.hit or result.finish_reason == "eos" else "length"
+            prefill_s, records = result.prefill_s, result.steps
+        else:
+            delta, finish, prefill_s, records = "", "stop", None, None
+        delta += text.flush()
+        completion = text.used
+        taps = summarize(request.plan, strategy.steps, strategy.skip_counts, prefill_s, time.perf_counter() - start,
+                         records)
+        emit({"type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
+              "usage": {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion},
+              "taps": taps})
+
+    def _prompt_ids(self, request: DecodeRequest) -> list[int]:
+        target = self.target
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            if target.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids", request.prompt_param)
+            return list(target.tokenizer(prompt)["input_ids"])
+        if prompt and isinstance(prompt[0], dict):
+            if target.tokenizer is None:
+                raise RequestError("this model has no tokenizer: use /v1/completions with token ids",
+                                   request.prompt_param)
+            return target.encode_chat(prompt)[0].tolist()
+        ids = [int(i) for i in prompt]
+        bad = [i for i in ids if not 0 <= i < target.vocab_size]
+        if bad:
+            raise RequestError(f"token ids must be in [0, {target.vocab_size}), got {bad[:5]}", request.prompt_param)
+        return ids

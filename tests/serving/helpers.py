@@ -1,0 +1,79 @@
+"""Serving test helpers: in-process drafter clients with fault injection, recording strategies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from taps_ray.serving.drafter import DraftSessions
+from taps_ray.spec.decoder import SingleStrategy
+
+POOL = ThreadPoolExecutor(8, thread_name_prefix="test-drafter")
+
+
+class LocalReply:
+    def __init__(self, future: Future):
+        self.future = future
+
+    def result(self, timeout: float) -> dict:
+        return self.future.result(timeout=max(timeout, 0.0))
+
+
+class LocalClient:
+    """A :class:`~taps_ray.serving.verifier.DrafterClient` over in-process :class:`DraftSessions`.
+
+    ``replicas`` > 1 spreads calls round-robin over independent session stores (a request's state
+    then has to be rebuilt on each switch). ``fail`` (a set of call indices) makes those calls raise,
+    ``slow`` those calls sleep ``delay_s`` first; ``calls`` counts propose calls.
+    """
+
+    def __init__(self, replicas: list[DraftSessions], fail: set[int] | None = None, slow: set[int] | None = None,
+                 delay_s: float = 0.0):
+        self.replicas = replicas
+        self.fail = fail or set()
+        self.slow = slow or set()
+        self.delay_s = delay_s
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.ended: list[str] = []
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> LocalReply:
+        with self.lock:
+            index = self.calls
+            self.calls += 1
+        replica = self.replicas[index % len(self.replicas)]
+
+        def call() -> dict:
+            if index in self.slow:
+                time.sleep(self.delay_s)
+            if index in self.fail:
+                raise RuntimeError(f"injected failure on call {index}")
+            return replica.propose(rid, offset, tokens, features)
+
+        return LocalReply(POOL.submit(call))
+
+    def end(self, rid: str) -> None:
+        self.ended.append(rid)
+        for replica in self.replicas:
+            replica.end(rid)
+
+
+class RecordingSingle(SingleStrategy):
+    """SingleStrategy that keeps every proposed tree by root position."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trees: dict[int, object] = {}
+
+    def propose(self, state):
+        tree = super().propose(state)
+        self.trees[state.prefix_len] = tree
+        return tree
+
+
+def same_tree(a, b) -> bool:
+    return (a.prefix_len == b.prefix_len and torch.equal(a.tokens, b.tokens) and torch.equal(a.parent, b.parent)
+            and torch.allclose(a.score, b.score, atol=1e-5))

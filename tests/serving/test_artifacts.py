@@ -1,0 +1,78 @@
+"""Deployment artifacts: the Serve config, the KubeRay manifests and the cluster launcher config
+validate against Ray's own schemas and build the taps_ray application."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from taps_ray.cli import build_parser
+from taps_ray.config import load_config
+from taps_ray.serving.app import AppArgs, application, build_app, drafter_user_config
+from tests.conftest import REPO
+
+
+def _serve_schema(raw: dict) -> ServeDeploySchema:
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(raw)
+    for app in schema.applications:
+        assert app.import_path == "taps_ray.serving.app:build_app"
+        application(AppArgs(**app.args).load())
+    return schema
+
+
+def test_serve_config_parses_into_serve_deploy_schema_and_builds():
+    raw = yaml.safe_load((REPO / "deployments/serve_config.yaml").read_text())
+    schema = _serve_schema(raw)
+    assert schema.http_options.host == "127.0.0.1"
+    cfg = AppArgs(**schema.applications[0].args).load()
+    assert set(cfg.serve.drafters) == {"math", "chat"} and cfg.serve.drafters["chat"].autoscaling
+    assert drafter_user_config(cfg, "math") == {"checkpoint": None, "seed": 0, "fault": None, "delay_s": 0.0}
+    assert build_app(AppArgs(**schema.applications[0].args)) is not None
+
+
+def test_app_args_take_a_config_path_overrides_and_reject_bad_strategies():
+    args = AppArgs(config=str(REPO / "configs/demo.yaml"),
+                   overrides=["serve.strategy=merged:budget", "serve.drafters={a: null, b: {seed: 3}}"])
+    cfg = args.load()
+    assert cfg.name == "demo" and cfg.serve.strategy == "merged:budget" and cfg.serve.drafters["b"].seed == 3
+    application(cfg)
+    with pytest.raises(ValueError, match="serve.strategy"):
+        application(AppArgs(experiment={"serve": {"strategy": "routed:nope"}}).load())
+    with pytest.raises(ValueError, match="average_of names 'zzz'"):
+        AppArgs(experiment={"serve": {"drafters": {"a": None, "avg": {"average_of": ["a", "zzz"]}}}}).load()
+
+
+def test_rayservice_manifest_embeds_a_valid_serve_config():
+    manifest = yaml.safe_load((REPO / "deployments/rayservice.yaml").read_text())
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    _serve_schema(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0"
+    workers = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_rayjob_runs_taps_train_on_an_existing_config():
+    manifest = yaml.safe_load((REPO / "deployments/rayjob-train.yaml").read_text())
+    assert manifest["kind"] == "RayJob" and manifest["spec"]["shutdownAfterJobFinishes"] is True
+    argv = shlex.split(manifest["spec"]["entrypoint"])
+    assert argv[:2] == ["taps", "train"]
+    args = build_parser().parse_args(argv[1:])
+    cfg = load_config(REPO / args.config, args.overrides)
+    assert cfg.output_dir == "/checkpoints/runs"
+    yaml.safe_load(manifest["spec"]["runtimeEnvYAML"])
+
+
+def test_cluster_yaml_validates_against_the_autoscaler_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    validate_config(prepare_config(raw))
+    gpu = [t for t in raw["available_node_types"].values() if t.get("resources", {}).get("GPU")]
+    assert gpu and raw["head_node_type"] in raw["available_node_types"]
+    assert raw["file_mounts"] == {"~/taps_ray": "."}
+    assert any("pip install" in c and "~/taps_ray" in c for c in raw["setup_commands"])

@@ -1,0 +1,277 @@
+"""The verifier's decode loop over remote drafters, without Ray: drafting sessions, the resend protocol,
+composition equal to the in-process strategies, faults, concurrency, routing and request parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from taps_ray.config import ServeConfig, TreeConfig
+from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
+from taps_ray.serving.protocol import RequestError
+from taps_ray.serving.verifier import RemoteStrategy, TextStream, resolve_plan, summarize
+from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.decoder import generate
+from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
+from tests.spec.spec_helpers import random_prompt, sharp_drafter
+from tests.spec.test_compose import bigram_target, oracle_drafter
+
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12)
+NEW = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    return bigram_target(0)
+
+
+@pytest.fixture(scope="module")
+def drafters(bigram):
+    """Even-token and odd-token specialists (exact where the next token is in their vocabulary) and noise."""
+    ids = torch.arange(bigram.vocab_size)
+    return {"even": oracle_drafter(bigram, ids[ids % 2 == 0]), "odd": oracle_drafter(bigram, ids[ids % 2 == 1]),
+            "noise": sharp_drafter(bigram, 7)}
+
+
+def serve_cfg(names) -> ServeConfig:
+    return ServeConfig(drafters={n: None for n in names})
+
+
+def remote(bigram, drafters: dict, strategy: str, replicas: int = 1, rid: str = "r", deadline_s: float = 10.0,
+           **client_kwargs) -> tuple[RemoteStrategy, dict[str, LocalClient]]:
+    clients = {name: LocalClient([DraftSessions(bigram, d, TREE) for _ in range(replicas)], **client_kwargs)
+               for name, d in drafters.items()}
+    plan = resolve_plan(strategy, list(drafters), serve_cfg(drafters))
+    return RemoteStrategy(rid, plan, clients, deadline_s, TREE.total_tokens), clients
+
+
+class RecordingRemote(RemoteStrategy):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trees = {}
+
+    def propose(self, state):
+        tree = super().propose(state)
+        if tree is not None:
+            self.trees[state.prefix_len] = tree
+        return tree
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_remote_single_proposes_the_in_process_trees(bigram, drafters, replicas):
+    """Same trees at every step as SingleStrategy, so the same output and acceptance; with two replicas
+    every call lands on the other one and the session is rebuilt from the resent pairs each time."""
+    prompt = random_prompt(bigram, 6, 1)
+    reference = RecordingSingle(drafters["even"], TREE)
+    expected = generate(bigram, prompt, reference, max_new_tokens=NEW)
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE) for _ in range(replicas)])}
+    strategy = RecordingRemote("r", resolve_plan("single", ["even"], serve_cfg(["even"])), clients, 10.0,
+                               TREE.total_tokens)
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == expected.token_ids
+    assert result.accept_lengths == expected.accept_lengths and max(result.accept_lengths) >= 2
+    assert reference.trees.keys() == strategy.trees.keys()
+    assert all(same_tree(reference.trees[k], strategy.trees[k]) for k in reference.trees)
+    assert not strategy.skips
+    if replicas == 2:
+        assert clients["even"].calls > len(result.steps), "a replica switch must trigger a resend"
+    strategy.close()
+    assert all(len(s) == 0 for s in clients["even"].replicas)
+
+
+@pytest.mark.parametrize("name", ["routed:confidence", "routed:entropy", "routed:confidence:request", "merged:union",
+                                  "merged:budget"])
+def test_remote_composition_equals_in_process_compose(bigram, drafters, name):
+    prompt = random_prompt(bigram, 6, 2)
+    expected = generate(bigram, prompt, build_strategy(name, drafters, TREE), max_new_tokens=NEW)
+    strategy, _ = remote(bigram, drafters, name)
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == expected.token_ids
+    assert result.accept_lengths == expected.accept_lengths
+    assert [s.tree_size for s in result.steps] == [s.tree_size for s in expected.steps]
+    for mine, theirs in zip(result.steps, expected.steps):
+        for key in ("route", "decision", "probe", "union_size", "verified_size"):
+            assert mine.meta.get(key) == theirs.meta.get(key), key
+    summary = summarize(strategy.plan, strategy.steps, strategy.skip_counts, 0.0, 1.0, result.steps)
+    assert summary["steps"] == len(result.steps) and summary["accepted_tokens"] == sum(result.accept_lengths)
+    if name.startswith("routed"):
+        assert sum(summary["route_decisions"].values()) == len(result.steps)
+
+
+def test_failed_and_late_drafters_are_skipped_and_output_stays_lossless(bigram, drafters):
+    prompt = random_prompt(bigram, 6, 3)
+    vanilla = generate(bigram, prompt, max_new_tokens=NEW)
+    reference = RecordingSingle(drafters["even"], TREE)
+    generate(bigram, prompt, reference, max_new_tokens=NEW)
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)], fail={1, 2}, slow={4},
+                                   delay_s=0.6)}
+    strategy = RecordingRemote("r", resolve_plan("single", None, serve_cfg(["even"])), clients, 0.2, TREE.total_tokens)
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == vanilla.token_ids
+    assert strategy.skip_counts == {"even": {"error": 2, "deadline": 1}}
+    plain = [s.tree_size == 1 for s in result.steps]
+    assert plain[1] and plain[2] and plain[4] and not plain[3] and sum(plain) == 3
+    for prefix, tree in strategy.trees.items():
+        assert same_tree(reference.trees[prefix], tree), "after a skip the drafter must catch up exactly"
+
+
+def test_without_any_drafter_the_verifier_decodes_plainly(bigram, drafters):
+    prompt = random_prompt(bigram, 6, 4)
+    vanilla = generate(bigram, prompt, max_new_tokens=20)
+    strategy, clients = remote(bigram, {k: drafters[k] for k in ("even", "odd")}, "merged:union",
+                               fail=set(range(1000)))
+    result = generate(bigram, prompt, strategy, max_new_tokens=20)
+    assert result.token_ids == vanilla.token_ids
+    assert all(s.tree_size == 1 for s in result.steps)
+    assert strategy.skip_counts == {"even": {"error": len(result.steps)}, "odd": {"error": len(result.steps)}}
+
+
+def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
+    sessions = {n: DraftSessions(bigram, drafters[n], TREE) for n in ("even", "odd")}
+    clients = {n: LocalClient([s]) for n, s in sessions.items()}
+    prompts = [random_prompt(bigram, 5 + i, 10 + i) for i in range(6)]
+    names = ["single", "merged:union", "routed:confidence"] * 2
+    expected = [generate(bigram, p, build_strategy(n, {k: drafters[k] for k in ("even", "odd")}, TREE),
+                         max_new_tokens=30) for p, n in zip(prompts, names)]
+    results = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        plan = resolve_plan(names[i], None if names[i] == "single" else ["even", "odd"], serve_cfg(["even", "odd"]))
+        strategy = RemoteStrategy(f"req-{i}", plan, clients, 10.0, TREE.total_tokens)
+        try:
+            results[i] = generate(bigram, prompts[i], strategy, max_new_tokens=30)
+        finally:
+            strategy.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids and got.accept_lengths == want.accept_lengths
+    assert all(len(s) == 0 for s in sessions.values())
+
+
+def test_session_protocol_resend_duplicates_supersede_end_and_reap(bigram, drafters):
+    sessions = DraftSessions(bigram, drafters["even"], TREE, ttl_s=30.0)
+    tokens = random_prompt(bigram, 10, 5)
+    features = bigram.hidden_states(tokens[None])[0]
+    pairs = tokens[1:], features[:-1]
+    assert sessions.propose("a", 3, pairs[0][3:6], pairs[1][3:6]) == {"need": 0}
+    first = sessions.propose("a", 0, pairs[0][:6], pairs[1][:6])
+    assert first["held"] == 6 and first["tree"].prefix_len == 6
+    again = sessions.propose("a", 4, pairs[0][4:6], pairs[1][4:6])
+    assert again["tree"] is first["tree"], "pairs already held are skipped and the tree is reused"
+    assert sessions.propose("a", 7, pairs[0][7:], pairs[1][7:]) == {"need": 6}
+    after = sessions.propose("a", 4, pairs[0][4:], pairs[1][4:])
+    fresh = DraftSessions(bigram, drafters["even"], TREE).propose("b", 0, pairs[0], pairs[1])
+    assert after["held"] == 9 and same_tree(after["tree"], fresh["tree"])
+    session = sessions._sessions["a"]
+    session.wanted = 20
+    stale = sessions.propose("a", 9, pairs[0][:0], pairs[1][:0])
+    assert stale == {"superseded": True, "held": 9}
+    assert "a" in sessions and sessions.end("a") and "a" not in sessions and not sessions.end("a")
+    sessions.propose("c", 0, pairs[0][:3], pairs[1][:3])
+    assert sessions.reap(now=session.last_used + 10.0) == 0 and len(sessions) == 1
+    assert sessions.reap(now=session.last_used + 1e6) == 1 and len(sessions) == 0
+
+
+def test_a_swapped_drafter_serves_new_sessions_only(bigram, drafters):
+    sessions = DraftSessions(bigram, drafters["even"], TREE)
+    tokens = random_prompt(bigram, 8, 6)
+    features = bigram.hidden_states(tokens[None])[0]
+    old = sessions.propose("old", 0, tokens[1:5], features[:4])["tree"]
+    sessions.swap(drafters["odd"])
+    kept = sessions.propose("old", 4, tokens[5:], features[4:-1])["tree"]
+    new = sessions.propose("new", 0, tokens[1:], features[:-1])["tree"]
+    reference_even = DraftSessions(bigram, drafters["even"], TREE).propose("x", 0, tokens[1:], features[:-1])["tree"]
+    assert old.prefix_len == 4 and same_tree(kept, reference_even) and not same_tree(new, reference_even)
+
+
+def _replica(name: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def _route(replicas, rid: str):
+    request = SimpleNamespace(args=[rid, 0])
+    return asyncio.run(SessionAffinityRouter.choose_replicas(None, replicas, request))
+
+
+def test_session_affinity_router_is_sticky_and_moves_only_a_lost_replicas_requests():
+    replicas = [_replica(f"r{i}") for i in range(3)]
+    first = {f"req-{i}": _route(replicas, f"req-{i}")[0][0].replica_id.unique_id for i in range(60)}
+    assert first == {rid: _route(list(reversed(replicas)), rid)[0][0].replica_id.unique_id for rid in first}
+    assert set(first.values()) == {"r0", "r1", "r2"}
+    ranks = _route(replicas, "req-0")
+    assert len(ranks[0]) == 1 and {r.replica_id.unique_id for r in ranks[0] + ranks[1]} == {"r0", "r1", "r2"}
+    survivors = [r for r in replicas if r.replica_id.unique_id != "r1"]
+    for rid, owner in first.items():
+        moved = _route(survivors, rid)[0][0].replica_id.unique_id
+        assert moved == owner or owner == "r1"
+    assert _route(replicas, None) is not None
+
+
+@pytest.mark.parametrize("strategy, drafters, expect", [
+    (None, None, ("single", ("a",))),
+    ("single:b", None, ("single:b", ("b",))),
+    ("single", ["b"], ("single", ("b",))),
+    ("vanilla", None, ("vanilla", ())),
+    ("routed:entropy", None, ("routed:entropy:request", ("a", "b"))),
+    ("merged:budget", ["b", "a"], ("merged:budget", ("b", "a"))),
+    ("averaged:0.25", None, ("averaged:0.25", ("avg",))),
+    ("averaged:0.25", ["a", "b"], ("averaged:0.25", ("avg",))),
+])
+def test_resolve_plan(strategy, drafters, expect):
+    cfg = ServeConfig(drafters={"a": None, "b": None, "avg": {"average_of": ["a", "b"], "alpha": 0.25}})
+    plan = resolve_plan(strategy, drafters, cfg)
+    assert (plan.name, plan.drafters) == expect
+
+
+@pytest.mark.parametrize("strategy, drafters, param, message", [
+    ("routed", None, "taps.strategy", "unknown strategy 'routed'"),
+    ("single:zzz", None, "taps.strategy", "unknown drafter 'zzz'"),
+    ("single", ["zzz"], "taps.drafters", r"unknown drafter\(s\) \['zzz'\]"),
+    ("single", ["a", "b"], "taps.drafters", "takes one drafter"),
+    ("merged:union", ["a"], "taps.drafters", "composes 2 or more distinct drafters"),
+    ("merged:union", ["a", "a"], "taps.drafters", "distinct"),
+    ("averaged:0.5", None, "taps.strategy", "no averaged drafter with alpha 0.5"),
+])
+def test_resolve_plan_errors_name_the_field(strategy, drafters, param, message):
+    cfg = ServeConfig(drafters={"a": None, "b": None, "avg": {"average_of": ["a", "b"], "alpha": 0.25}})
+    with pytest.raises(RequestError, match=message) as err:
+        resolve_plan(strategy, drafters, cfg)
+    assert err.value.param == param and err.value.status == 400
+
+
+class CharTokenizer:
+    """Token id i decodes to chr(i); id 0 stands for half of a multi-byte character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 0 else chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_possible_stops_and_partial_characters():
+    stream = TextStream(CharTokenizer(), ["END"])
+    assert stream.push([ord(c) for c in "abcE"]) == "abc"
+    assert stream.push([ord("N")]) == ""
+    assert stream.push([ord("x")]) == "ENx"
+    assert stream.push([ord(c) for c in "yENDzz"]) == "y"
+    assert stream.hit and stream.text == "abcENxy" and stream.used == 10 and stream.push([65]) == ""
+    assert stream.flush() == ""
+    partial = TextStream(CharTokenizer())
+    assert partial.push([ord("a"), 0]) == "a" and partial.flush() == "\ufffd"
+    plain = TextStream(CharTokenizer())
+    assert plain.push([ord("h"), ord("i")]) == "hi" and plain.flush() == "" and plain.used == 2
