@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,10 +27,10 @@ from taps_ray.config import ServeConfig, TargetConfig, TreeConfig
 from taps_ray.models.target import TargetModel
 from taps_ray.serving.drafter import rss_bytes
 from taps_ray.serving.protocol import RequestError
-from taps_ray.spec.compose import StrategySpec, best_index, parse_strategy, tree_signal
+from taps_ray.spec.compose import RequestRoute, StrategySpec, compose_trees, parse_strategy
 from taps_ray.spec.decoder import DecodeState, check_sampling, generate
 from taps_ray.spec.stats import StepRecord
-from taps_ray.spec.tree import DraftTree, merge_trees, rerank
+from taps_ray.spec.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -98,66 +97,6 @@ def resolve_plan(strategy: str | None, drafters: list[str] | None, cfg: ServeCon
         raise RequestError(f"strategy {spec.name!r} composes {spec.min_drafters} or more distinct drafters, "
                            f"got {chosen}", "taps.drafters")
     return Plan(spec, tuple(chosen))
-
-
-def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: Sequence[str],
-                  total_tokens: int) -> tuple[DraftTree, dict]:
-    """The tree to verify from one tree per drafter (None: that drafter gave none this step) and the
-    decision meta: routed picks by signal (missing drafters get NaN), merged takes the trie union of
-    the trees there are (pruned to ``total_tokens`` for budget), anything else the first tree."""
-    present = [i for i, t in enumerate(trees) if t is not None]
-    if not present:
-        raise ValueError("compose_trees needs at least one tree")
-    if spec.kind == "routed":
-        values = torch.stack([tree_signal(t, spec.signal) if t is not None else torch.tensor(math.nan) for t in trees])
-        pick = best_index(values, spec.signal)
-        pick = pick if trees[pick] is not None else present[0]
-        return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
-    if spec.kind == "merged":
-        merged = merge_trees([trees[i] for i in present])
-        sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
-        sources[:, present] = merged.meta.pop("sources")
-        union_size = merged.size
-        if spec.merge == "budget" and merged.size > total_tokens:
-            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], total_tokens - 1)])
-            merged, sources = merged.select(keep), sources[keep]
-        return merged, {"tree_sizes": torch.tensor([t.size if t is not None else 0 for t in trees]),
-                        "union_size": union_size, "verified_size": merged.size,
-                        "node_sources": sources[1:].sum(0), "shared_nodes": (sources[1:].sum(1) > 1).sum()}
-    return trees[present[0]], {}
-
-
-class RequestRoute:
-    """Routing decided per request: every drafter drafts for ``probe_steps`` steps, the best mean
-    signal wins, and the winner drafts alone, re-probing every ``recheck_every`` steps (0: never)."""
-
-    def __init__(self, signal: str, probe_steps: int = 2, recheck_every: int = 0):
-        self.signal = signal
-        self.probe_steps = probe_steps
-        self.recheck_every = recheck_every
-        self.step = 0
-        self.choice: int | None = None
-        self.window: torch.Tensor | None = None
-        self.window_steps = 0
-
-    def probing(self) -> bool:
-        """Whether this step (counted on each call) drafts with every drafter."""
-        step, self.step = self.step, self.step + 1
-        if self.choice is None:
-            return True
-        if self.recheck_every == 0:
-            return step < self.probe_steps
-        return step % (self.probe_steps + self.recheck_every) < self.probe_steps
-
-    def observe(self, signals: torch.Tensor) -> int | None:
-        """Add a probe step's signals [K]; the new choice when the window completes, else None."""
-        self.window = signals if self.window is None else self.window + signals
-        self.window_steps += 1
-        if self.window_steps < self.probe_steps:
-            return None
-        self.choice = best_index(self.window / self.window_steps, self.signal)
-        self.window, self.window_steps = None, 0
-        return self.choice
 
 
 class Reply(Protocol):
@@ -261,7 +200,7 @@ class RemoteStrategy:
         self.steps.append(info)
         if not self.names:
             return None
-        probe = self.route.probing() if self.route is not None else True
+        probe = self.route is None or self.route.probing(len(self.steps) - 1)
         drafting = self.names if probe else [self.names[self.route.choice]]
         got = self._gather(drafting, info)
         root = int(state.tokens[-1])

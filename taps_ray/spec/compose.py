@@ -155,6 +155,70 @@ def best_index(values: torch.Tensor, signal: str) -> int:
     return int(goodness.nan_to_num(-math.inf, -math.inf, math.inf).argmax())
 
 
+def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: Sequence[str],
+                  total_tokens: int) -> tuple[DraftTree, dict]:
+    """One step of composition, pure: the tree to verify from one tree per drafter (None: that drafter
+    gave none this step) and the decision meta (see the module doc). ``routed`` picks by ``spec.signal``
+    (NaN for missing drafters); ``merged`` is the trie union of the trees given, pruned to the root and
+    the ``total_tokens - 1`` most confident nodes for ``budget``; anything else takes the first tree."""
+    present = [i for i, t in enumerate(trees) if t is not None]
+    if not present:
+        raise ValueError("compose_trees needs at least one tree")
+    if spec.kind == "routed":
+        values = torch.stack([tree_signal(t, spec.signal) if t is not None else torch.tensor(math.nan) for t in trees])
+        pick = best_index(values, spec.signal)
+        pick = pick if trees[pick] is not None else present[0]
+        return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
+    if spec.kind == "merged":
+        device = trees[present[0]].tokens.device
+        merged = merge_trees([_on(trees[i], torch.device("cpu")) for i in present])
+        sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
+        sources[:, present] = merged.meta.pop("sources")
+        union_size = merged.size
+        if spec.merge == "budget" and merged.size > total_tokens:
+            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], total_tokens - 1)])
+            merged, sources = merged.select(keep), sources[keep]
+        return _on(merged, device), {
+            "tree_sizes": torch.tensor([t.size if t is not None else 0 for t in trees]),
+            "union_size": union_size,
+            "verified_size": merged.size,
+            "node_sources": sources[1:].sum(0),
+            "shared_nodes": (sources[1:].sum(1) > 1).sum(),
+        }
+    return trees[present[0]], {}
+
+
+class RequestRoute:
+    """Routing decided per request: every drafter drafts for ``probe_steps`` steps, the best mean signal
+    wins, and the winner drafts alone, with a new probe window every ``recheck_every`` steps (0: never)."""
+
+    def __init__(self, signal: str, probe_steps: int = 2, recheck_every: int = 0):
+        self.signal = signal
+        self.probe_steps = probe_steps
+        self.recheck_every = recheck_every
+        self.choice: int | None = None
+        self.window: torch.Tensor | None = None
+        self.window_steps = 0
+
+    def probing(self, step: int) -> bool:
+        """Whether step ``step`` (0-based within the request) drafts with every drafter."""
+        if self.choice is None:
+            return True
+        if self.recheck_every == 0:
+            return step < self.probe_steps
+        return step % (self.probe_steps + self.recheck_every) < self.probe_steps
+
+    def observe(self, signals: torch.Tensor) -> int | None:
+        """Add a probe step's signals [K]; the new choice when the window completes, else None."""
+        self.window = signals if self.window is None else self.window + signals
+        self.window_steps += 1
+        if self.window_steps < self.probe_steps:
+            return None
+        self.choice = best_index(self.window / self.window_steps, self.signal)
+        self.window, self.window_steps = None, 0
+        return self.choice
+
+
 class _Ensemble:
     """K drafters with one :class:`DrafterState` each; accepted pairs are queued for all of them."""
 
@@ -194,14 +258,14 @@ class RoutedStrategy(_Ensemble):
             raise ValueError(f"probe_steps must be >= 1 and recheck_every >= 0, got {probe_steps}, {recheck_every}")
         self.signal, self.granularity = signal, granularity
         self.probe_steps, self.recheck_every = probe_steps, recheck_every
-        self.name = f"routed:{signal}:{granularity}"
+        self.spec = StrategySpec("routed", signal=signal, granularity=granularity)
+        self.name = self.spec.name
         self._reset()
 
     def _reset(self) -> None:
         self.steps = 0
-        self.choice: int | None = None
-        self.window: torch.Tensor | None = None
-        self.window_steps = 0
+        self.route = RequestRoute(self.signal, self.probe_steps, self.recheck_every) \
+            if self.granularity == "request" else None
 
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         super().start(target, tokens, features)
@@ -209,34 +273,21 @@ class RoutedStrategy(_Ensemble):
 
     def probing(self, step: int) -> bool:
         """Whether step ``step`` (0-based within the request) drafts with every drafter."""
-        if self.granularity == "step":
-            return True
-        if self.recheck_every == 0:
-            return step < self.probe_steps
-        return step % (self.probe_steps + self.recheck_every) < self.probe_steps
+        return self.route is None or self.route.probing(step)
 
     def propose(self, state: DecodeState) -> DraftTree:
         probe = self.probing(self.steps)
         self.steps += 1
         if probe:
             trees = [self.draft(i) for i in range(len(self.drafters))]
-            values = torch.stack([tree_signal(t, self.signal) for t in trees])
-            pick = best_index(values, self.signal)
-            tree = trees[pick]
-            if self.granularity == "request":
-                self.window = values if self.window is None else self.window + values
-                self.window_steps += 1
-                if self.window_steps == self.probe_steps:
-                    self.choice = best_index(self.window / self.window_steps, self.signal)
-                    self.window, self.window_steps = None, 0
         else:
-            pick = self.choice
-            tree = self.draft(pick)
-            values = torch.full((len(self.drafters),), math.nan)
-            values[pick] = tree_signal(tree, self.signal)
-        tree.meta.update(route=self.names[pick], route_index=pick, signal=self.signal, signals=values, probe=probe)
-        if self.granularity == "request":
-            tree.meta["decision"] = None if self.choice is None else self.names[self.choice]
+            trees = [self.draft(i) if i == self.route.choice else None for i in range(len(self.drafters))]
+        tree, meta = compose_trees(self.spec, trees, self.names, self.tree.total_tokens)
+        if probe and self.route is not None:
+            self.route.observe(meta["signals"])
+        tree.meta.update(meta, probe=probe)
+        if self.route is not None:
+            tree.meta["decision"] = None if self.route.choice is None else self.names[self.route.choice]
         return tree
 
 
@@ -251,20 +302,9 @@ class MergedStrategy(_Ensemble):
 
     def propose(self, state: DecodeState) -> DraftTree:
         trees = [self.draft(i) for i in range(len(self.drafters))]
-        merged = merge_trees([_on(t, torch.device("cpu")) for t in trees])
-        sources = merged.meta.pop("sources")
-        union_size = merged.size
-        if self.budget and merged.size > self.tree.total_tokens:
-            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], self.tree.total_tokens - 1)])
-            merged, sources = merged.select(keep), sources[keep]
-        merged = _on(merged, trees[0].tokens.device)
-        merged.meta.update(
-            tree_sizes=torch.tensor([t.size for t in trees]),
-            union_size=union_size,
-            verified_size=merged.size,
-            node_sources=sources[1:].sum(0),
-            shared_nodes=(sources[1:].sum(1) > 1).sum(),
-        )
+        spec = StrategySpec("merged", merge="budget" if self.budget else "union")
+        merged, meta = compose_trees(spec, trees, self.names, self.tree.total_tokens)
+        merged.meta.update(meta)
         return merged
 
 

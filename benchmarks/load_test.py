@@ -1,0 +1,189 @@
+"""Load test of an OpenAI-compatible taps_ray server.
+
+    python benchmarks/load_test.py --url http://127.0.0.1:8000 --concurrency 8 --requests 64 \
+        --strategy single [--duration 90] [--max-tokens 32] [--out load.json] [--verify configs/demo.yaml]
+
+C client threads send streaming chat completions (the official ``openai`` client, greedy by
+default) round-robin over a fixed prompt set until N requests are done or ``--duration`` seconds
+have passed. Reports throughput (requests/s, output tokens/s), end-to-end latency and time to first
+token (p50/p95/p99), errors and the mean acceptance length; writes everything, per request too, as
+JSON. ``--verify CONFIG`` decodes each distinct prompt in-process (vanilla greedy on the config's
+target) and counts responses whose text differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROMPTS = [
+    "What is 12 times 7? Answer with the number and one sentence.",
+    "Write two sentences about the ocean at night.",
+    "A train travels 60 km in 45 minutes. What is its speed in km/h?",
+    "Give three tips for staying focused while studying.",
+    "Natalia sold 48 clips in April and half as many in May. How many clips did she sell altogether?",
+    "Explain what a prime number is to a ten-year-old.",
+    "List four fruits that are red.",
+    "If x + 5 = 12, what is x? Show the step.",
+    "Describe a cat in one short paragraph.",
+    "What is the sum of the first five odd numbers?",
+    "Suggest a name for a coffee shop and explain it briefly.",
+    "How many minutes are there in three and a half hours?",
+]
+
+
+@dataclass
+class Record:
+    index: int
+    prompt: int
+    ok: bool
+    latency_s: float
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    taps: dict = field(default_factory=dict)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99), "mean": sum(ordered) / len(ordered)}
+
+
+def one_request(client, model: str, index: int, prompt: int, args) -> Record:
+    start = time.perf_counter()
+    ttft, parts, usage, finish, taps = None, [], None, None, {}
+    extra = {"taps": {"strategy": args.strategy}} if args.strategy else {}
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPTS[prompt]}], max_tokens=args.max_tokens,
+            temperature=args.temperature, seed=args.seed, stream=True, stream_options={"include_usage": True},
+            extra_body=extra)
+        for chunk in stream:
+            if chunk.choices:
+                delta = chunk.choices[0].delta.content or ""
+                if delta and ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(delta)
+                finish = chunk.choices[0].finish_reason or finish
+                taps = (chunk.model_extra or {}).get("taps") or taps
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return Record(index, prompt, True, time.perf_counter() - start, ttft,
+                      usage.completion_tokens if usage else 0, "".join(parts), finish, taps=taps)
+    except Exception as err:
+        return Record(index, prompt, False, time.perf_counter() - start, ttft, error=f"{type(err).__name__}: {err}")
+
+
+def run(args) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=args.timeout)
+    model = args.model or client.models.list().data[0].id
+    records: list[Record] = []
+    lock = threading.Lock()
+    counter = iter(range(10 ** 9))
+    start = time.perf_counter()
+    deadline = start + args.duration if args.duration else None
+    limit = args.requests if args.requests is not None else (None if args.duration else 64)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(counter)
+            if (limit is not None and index >= limit) or (deadline is not None and time.perf_counter() > deadline):
+                return
+            record = one_request(client, model, index, index % len(PROMPTS), args)
+            with lock:
+                records.append(record)
+            if args.verbose:
+                state = "ok" if record.ok else f"ERROR {record.error}"
+                print(f"[{index}] {record.latency_s:.2f}s {record.completion_tokens} tok {state}", file=sys.stderr)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    steps = sum(r.taps.get("steps", 0) for r in ok)
+    appended = sum(r.taps.get("tau", 0) * r.taps.get("steps", 0) for r in ok if r.taps.get("tau") is not None)
+    summary = {
+        "url": args.url, "model": model, "strategy": args.strategy, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "wall_s": wall,
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "error_samples": sorted({r.error for r in records if not r.ok})[:10],
+        "throughput_rps": len(ok) / wall if wall else None, "output_tokens_per_s": tokens / wall if wall else None,
+        "completion_tokens": tokens, "latency_s": percentiles([r.latency_s for r in ok]),
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tau": appended / steps if steps else None,
+        "skipped_drafter_steps": sum(sum(sum(v.values()) for v in r.taps.get("skipped", {}).values()) for r in ok),
+    }
+    if args.verify:
+        summary["verify"] = verify(args.verify, ok, args.max_tokens)
+    return {"summary": summary, "records": [asdict(r) for r in sorted(records, key=lambda r: r.index)]}
+
+
+def verify(config: str, records: list[Record], max_tokens: int) -> dict:
+    """In-process vanilla greedy text per distinct prompt, and the responses that differ from it."""
+    from taps_ray.config import load_config
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.decoder import generate
+
+    target = TargetModel.load(load_config(config).target)
+    expected = {p: generate(target, [{"role": "user", "content": PROMPTS[p]}], max_new_tokens=max_tokens).text
+                for p in sorted({r.prompt for r in records})}
+    mismatched = [r.index for r in records if r.text != expected[r.prompt]]
+    return {"checked": len(records), "identical": len(records) - len(mismatched), "mismatched": mismatched}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests to send (default 64; with --duration: unlimited unless given)")
+    parser.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
+    parser.add_argument("--strategy", default=None, help="taps strategy per request (default: the server's)")
+    parser.add_argument("--model", default=None, help="model id (default: the server's first)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout (s)")
+    parser.add_argument("--verify", default=None, metavar="CONFIG", help="compare with in-process greedy output")
+    parser.add_argument("--out", default=None, help="JSON output path (default: stdout summary only)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.concurrency < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1 \
+            or (args.duration is not None and args.duration <= 0):
+        print("load_test: --concurrency, --requests, --duration and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    result = run(args)
+    print(json.dumps(result["summary"], indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0 if result["summary"]["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
