@@ -8,6 +8,8 @@ is the builder ``serve run`` / ``serve deploy`` import (``taps_ray.serving.app:b
 from __future__ import annotations
 
 import logging
+import signal
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,8 +112,7 @@ def build_app(args: AppArgs):
 
 def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None, blocking: bool = True):
     """Start (or join, with ``RAY_ADDRESS``) a Ray cluster, deploy the application on ``host:port`` and,
-    when ``blocking``, serve until interrupted (the application is deleted on the way out)."""
-    import time
+    when ``blocking``, serve until Ctrl-C or SIGTERM (the application is deleted on the way out)."""
 
     from taps_ray.ray_utils import init_ray
 
@@ -125,6 +126,8 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
              cfg.serve.strategy, list(cfg.serve.drafters))
     if not blocking:
         return url
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
@@ -132,3 +135,7 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
         log.info("shutting down %s", cfg.serve.app_name)
         serve.delete(cfg.serve.app_name)
     return url
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -254,6 +254,25 @@ def test_checkpoint_swap_in_flight_keeps_running_requests(client, reference):
         a.broadcast("reconfigure", {"checkpoint": None, "seed": 0}).results(timeout_s=30)
 
 
+def test_a_client_that_disconnects_mid_stream_frees_its_sessions(server):
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400, "stream": True, "temperature": 0,
+            "taps": {"strategy": "merged:union"}}
+    finished = _metric(requests.get(f"{server}/metrics", timeout=30).text, "taps_request_success_total")
+    with requests.post(server + "/v1/completions", json=body, stream=True, timeout=60) as response:
+        data = [line for _, line in zip(range(6), response.iter_lines()) if line.startswith(b"data:")]
+        assert len(data) >= 2
+    deadline = time.monotonic() + 30
+    while True:
+        sessions = [_drafter(n).stats.remote().result(timeout_s=30)["sessions"] for n in ("a", "b")]
+        running = _metric(requests.get(f"{server}/metrics", timeout=30).text, "taps_num_requests_running")
+        if sessions == [0, 0] and running == 0:
+            break
+        assert _metric(requests.get(f"{server}/metrics", timeout=30).text, "taps_request_success_total") == finished
+        assert time.monotonic() < deadline, f"cancelled request still holds sessions {sessions} / running {running}"
+        time.sleep(0.5)
+    assert _metric(requests.get(f"{server}/metrics", timeout=30).text, "taps_request_success_total") == finished
+
+
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
