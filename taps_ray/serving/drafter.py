@@ -74,7 +74,7 @@ class DraftSessions:
         """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
         request ``rid`` and draft a tree rooted at the last token.
 
-        Returns ``{"tree": DraftTree, "held": pairs held}``; ``{"need": held}`` when the session holds
+        Returns ``{"tree": DraftTree, "held": pairs held, "compute_s": drafting seconds}``; ``{"need": held}`` when the session holds
         fewer than ``offset`` pairs (resend from ``held``); ``{"superseded": True, "held": held}``
         when a newer call of the same request is already waiting (its pairs are kept, no tree is
         drafted for a step the verifier has given up on).
@@ -99,13 +99,14 @@ class DraftSessions:
                     session.held = upto
                 if upto < session.wanted or upto < session.held:
                     return {"superseded": True, "held": session.held}
+                start = time.perf_counter()
                 if session.tree_at != upto:
                     session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree)
                     session.tree_at = upto
             except Exception:
                 self.end(rid)
                 raise
-            return {"tree": session.last_tree, "held": session.held}
+            return {"tree": session.last_tree, "held": session.held, "compute_s": time.perf_counter() - start}
 
     def end(self, rid: str) -> bool:
         with self._lock:

@@ -143,13 +143,15 @@ class StopGeneration(Exception):
 @dataclass
 class StepInfo:
     """What the strategy saw in one step: the tree size verified (1: plain), who answered, who was
-    skipped and why, the route taken; ``accepted`` is filled by ``advance``."""
+    skipped and why, the route taken, the slowest answering drafter's drafting seconds;
+    ``accepted`` is filled by ``advance``."""
 
     tree_size: int = 1
     answered: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     route: str | None = None
     accepted: int | None = None
+    compute_s: float = 0.0
 
 
 class RemoteStrategy:
@@ -312,6 +314,7 @@ class RemoteStrategy:
                     self.sent[name] = answer["held"]
                     trees[name] = answer["tree"]
                     info.answered.append(name)
+                    info.compute_s = max(info.compute_s, answer.get("compute_s", 0.0))
                 else:
                     self._skip(info, name, "stale")
             pending = resend
@@ -412,7 +415,9 @@ class DecodeRequest:
 def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float | None, total_s: float,
               records: list[StepRecord] | None = None) -> dict:
     """The response's ``taps`` block (and what the metrics count). ``records`` (the loop's step
-    records, when it ran to the end) give the accepted and appended counts; else ``steps`` do."""
+    records, when it ran to the end) give the accepted and appended counts and the time spent
+    waiting for drafts (``draft_s``: calls, transfer and drafting; ``drafter_compute_s`` of it was
+    drafting) and verifying (``verify_s``); else ``steps`` give the counts."""
     if records is not None:
         accepted, appended = [r.accepted for r in records], [r.appended for r in records]
     else:
@@ -430,7 +435,11 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
         "route_decisions": dict(Counter(routes)),
         "skipped": skips,
         "prefill_s": None if prefill_s is None else round(prefill_s, 4), "total_s": round(total_s, 4),
+        "drafter_compute_s": round(sum(s.compute_s for s in steps), 4),
     }
+    if records is not None:
+        out["draft_s"] = round(sum(r.draft_s for r in records), 4)
+        out["verify_s"] = round(sum(r.verify_s for r in records), 4)
     if plan.kind == "routed":
         out["route_per_step"] = [s.route for s in steps]
     return out
