@@ -5,7 +5,8 @@ The loop is :func:`taps_ray.spec.decoder.generate`, unchanged: a :class:`RemoteS
 confirmed, waits for all replies until the per-step deadline (the calls run in parallel, so a step
 costs about one drafter's latency), composes the trees that arrived (single / routed / merged) and
 returns the tree to verify, or None (decode one token plainly) when no drafter answered in time.
-``advance`` records the accepted pairs and streams the new tokens out.
+A drafter that keeps failing backs off for a growing number of steps. ``advance`` records the
+accepted pairs and streams the new tokens out; the output is the target's either way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.tree import DraftTree
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -157,8 +159,8 @@ class StepInfo:
 class RemoteStrategy:
     """A :class:`~taps_ray.spec.decoder.Strategy` whose drafters live elsewhere (see module docs).
 
-    ``on_tokens`` receives every token id list the loop commits (the first token, then each step's
-    accepted + bonus tokens, the final step's excepted) and may raise :class:`StopGeneration`.
+    ``on_tokens`` receives the token ids the loop commits (the first token, then each step's accepted +
+    bonus tokens; the last step's come back with the loop's result) and may raise :class:`StopGeneration`.
     ``cancel`` / ``expires`` (monotonic time) stop the loop with reason ``cancelled`` / ``timeout``.
     """
 
@@ -180,6 +182,8 @@ class RemoteStrategy:
             if plan.kind == "routed" and plan.spec.granularity == "request" else None
         self.contacted: set[str] = set()
         self.sent: dict[str, int] = {}
+        self.failures: Counter = Counter()
+        self.resume_at: dict[str, int] = {}
         self.steps: list[StepInfo] = []
         self.skips: dict[str, Counter] = defaultdict(Counter)
         self.device = torch.device("cpu")
@@ -202,8 +206,12 @@ class RemoteStrategy:
         self.steps.append(info)
         if not self.names:
             return None
-        probe = self.route is None or self.route.probing(len(self.steps) - 1)
-        drafting = self.names if probe else [self.names[self.route.choice]]
+        step = len(self.steps) - 1
+        probe = self.route is None or self.route.probing(step)
+        drafting = list(self.names) if probe else [self.names[self.route.choice]]
+        for name in [n for n in drafting if self.resume_at.get(n, 0) > step]:
+            self._skip(info, name, "backoff")
+            drafting.remove(name)
         got = self._gather(drafting, info)
         root = int(state.tokens[-1])
         for name in list(got):
@@ -312,6 +320,7 @@ class RemoteStrategy:
                         self._skip(info, name, "resync")
                 elif "tree" in answer:
                     self.sent[name] = answer["held"]
+                    self.failures[name] = 0
                     trees[name] = answer["tree"]
                     info.answered.append(name)
                     info.compute_s = max(info.compute_s, answer.get("compute_s", 0.0))
@@ -321,7 +330,12 @@ class RemoteStrategy:
         return trees
 
     def _skip(self, info: StepInfo, name: str, reason: str, err: Exception | None = None) -> None:
+        """Skip ``name`` this step; after k failures in a row it also sits out the next 2^(k-1) - 1 steps
+        (at most 15), so a dead or stalled drafter costs a deadline only now and then."""
         info.skipped[name] = reason
+        if reason != "backoff":
+            self.failures[name] += 1
+            self.resume_at[name] = len(self.steps) + min(2 ** (self.failures[name] - 1), 16) - 1
         first = not self.skips[name]
         self.skips[name][reason] += 1
         (log.warning if first else log.debug)("request %s step %d: drafter %s skipped (%s%s)", self.rid,
@@ -483,11 +497,10 @@ class Verifier:
         finally:
             cancel.set()
 
-    def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None,
-               clients: dict[str, DrafterClient] | None = None) -> None:
+    def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None) -> None:
         """Run one request to completion, reporting through ``emit`` (never raises)."""
         try:
-            self._decode(request, emit, cancel, clients or self.clients)
+            self._decode(request, emit, cancel)
         except RequestError as err:
             emit({"type": "error", "status": err.status, "message": err.message, "param": err.param,
                   "code": err.code, "error_type": err.type})
@@ -496,8 +509,8 @@ class Verifier:
             emit({"type": "error", "status": 500, "message": f"internal error: {err}", "param": None,
                   "code": None, "error_type": "server_error"})
 
-    def _decode(self, request: DecodeRequest, emit, cancel, clients) -> None:
-        target = self.target
+    def _decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None) -> None:
+        target, clients = self.target, self.clients
         ids = self._prompt_ids(request)
         n, limit = len(ids), target.max_context
         if n >= limit:

@@ -224,6 +224,7 @@ def test_deadline_and_failing_drafter_fall_back_losslessly(client, reference):
     taps = late.model_extra["taps"]
     assert late.choices[0].message.content == reference[prompt].text
     assert taps["plain_steps"] == taps["steps"] and taps["skipped"]["a"]["deadline"] >= 1
+    assert sum(taps["skipped"]["a"].values()) == taps["steps"]
     b = _drafter("b")
     b.broadcast("reconfigure", {"checkpoint": None, "seed": 1, "fault": "raise"}).results(timeout_s=30)
     try:
@@ -233,7 +234,9 @@ def test_deadline_and_failing_drafter_fall_back_losslessly(client, reference):
         b.broadcast("reconfigure", {"checkpoint": None, "seed": 1}).results(timeout_s=30)
     for response in (merged, alone):
         assert response.choices[0].message.content == reference[prompt].text
-    assert merged.model_extra["taps"]["skipped"] == {"b": {"error": merged.model_extra["taps"]["steps"]}}
+    skipped = merged.model_extra["taps"]["skipped"]
+    assert set(skipped) == {"b"} and skipped["b"]["error"] >= 1
+    assert sum(skipped["b"].values()) == merged.model_extra["taps"]["steps"]
     assert merged.model_extra["taps"]["drafted_steps"] == merged.model_extra["taps"]["steps"]
     assert alone.model_extra["taps"]["plain_steps"] == alone.model_extra["taps"]["steps"]
 
