@@ -129,6 +129,9 @@ class Ingress:
                                                    event["code"]), status_code=event["status"])
                 elif event["type"] == "done":
                     done = event
+        except asyncio.CancelledError:
+            events.cancel()
+            raise
         except Exception as err:
             log.exception("request %s failed while decoding", request.rid)
             self.metrics.failed(500)
@@ -163,29 +166,37 @@ class Ingress:
         ttft, finished = None, False
         self.metrics.running.labels(self.model_name).inc()
         try:
-            if chat:
-                yield sse_line(chunk(rid, self.model_name, created, {"role": "assistant", "content": ""},
-                                 include_usage=usage_chunks))
-            async for event in events:
-                if event["type"] == "delta":
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    content = {"content": event["text"]} if chat else event["text"]
-                    yield sse_line(chunk(rid, self.model_name, created, content, include_usage=usage_chunks))
-                elif event["type"] == "error":
-                    self.metrics.failed(event["status"])
-                    yield sse_line(error_body(event["message"], event["error_type"], event["param"], event["code"]))
-                    finished = True
-                    break
-                elif event["type"] == "done":
-                    content = {"content": event["delta"]} if chat else event["delta"]
-                    yield sse_line(chunk(rid, self.model_name, created, content, event["finish_reason"],
-                                     include_usage=usage_chunks, taps=event["taps"]))
-                    if usage_chunks:
-                        yield sse_line(chunk(rid, self.model_name, created, None, usage=event["usage"], include_usage=True))
-                    latency = time.perf_counter() - start
-                    self.metrics.finished(event["finish_reason"], event["usage"], event["taps"], latency,
-                                          ttft if ttft is not None else latency)
-                    finished = True
+            try:
+                if chat:
+                    yield sse_line(chunk(rid, self.model_name, created, {"role": "assistant", "content": ""},
+                                         include_usage=usage_chunks))
+                async for event in events:
+                    if event["type"] == "delta":
+                        ttft = ttft if ttft is not None else time.perf_counter() - start
+                        content = {"content": event["text"]} if chat else event["text"]
+                        yield sse_line(chunk(rid, self.model_name, created, content, include_usage=usage_chunks))
+                    elif event["type"] == "error":
+                        finished = True
+                        self.metrics.failed(event["status"])
+                        yield sse_line(error_body(event["message"], event["error_type"], event["param"],
+                                                  event["code"]))
+                        break
+                    elif event["type"] == "done":
+                        finished = True
+                        latency = time.perf_counter() - start
+                        self.metrics.finished(event["finish_reason"], event["usage"], event["taps"], latency,
+                                              ttft if ttft is not None else latency)
+                        content = {"content": event["delta"]} if chat else event["delta"]
+                        yield sse_line(chunk(rid, self.model_name, created, content, event["finish_reason"],
+                                             include_usage=usage_chunks, taps=event["taps"]))
+                        if usage_chunks:
+                            yield sse_line(chunk(rid, self.model_name, created, None, usage=event["usage"],
+                                                 include_usage=True))
+            except Exception as err:
+                finished = True
+                log.exception("request %s failed while streaming", rid)
+                self.metrics.failed(500)
+                yield sse_line(error_body(f"decoding failed: {err}", "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             self.metrics.running.labels(self.model_name).dec()

@@ -11,7 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from taps_ray.cli import build_parser
 from taps_ray.config import load_config
-from taps_ray.serving.app import AppArgs, application, build_app, drafter_user_config
+from taps_ray.serving.app import AppArgs, application, build_app, drafter_deployment_name, drafter_user_config
 from tests.conftest import REPO
 
 
@@ -30,8 +30,10 @@ def test_serve_config_parses_into_serve_deploy_schema_and_builds():
     assert schema.http_options.host == "127.0.0.1"
     cfg = AppArgs(**schema.applications[0].args).load()
     assert set(cfg.serve.drafters) == {"math", "chat"} and cfg.serve.drafters["chat"].autoscaling
-    assert drafter_user_config(cfg, "math") == {"checkpoint": None, "seed": 0, "fault": None, "delay_s": 0.0}
     assert build_app(AppArgs(**schema.applications[0].args)) is not None
+    overrides = {d.name: d.user_config for d in schema.applications[0].deployments}
+    assert overrides == {drafter_deployment_name(n): drafter_user_config(cfg, n) for n in cfg.serve.drafters}, \
+        "the in-place swap knobs must start equal to what the builder deploys"
 
 
 def test_app_args_take_a_config_path_overrides_and_reject_bad_strategies():
