@@ -105,9 +105,10 @@ def served_model_name(target: str) -> str:
     return target.split(":", 1)[1] if target.split(":", 1)[0] in ("embedded", "hf") else target
 
 
-def build_app(args: AppArgs):
-    """Application builder for ``serve run`` / ``serve deploy`` (``import_path: taps_ray.serving.app:build_app``)."""
-    return application(args.load())
+def build_app(args: dict):
+    """Application builder for ``serve run`` / ``serve deploy`` (``import_path: taps_ray.serving.app:build_app``);
+    ``args`` as :class:`AppArgs` (Serve passes the config's ``args`` mapping)."""
+    return application((args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})).load())
 
 
 def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None, blocking: bool = True):
