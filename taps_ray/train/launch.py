@@ -2,16 +2,20 @@
 
 For each selected variant: the held-out split of every prepared dataset (``heldout_rows``,
 ``heldout_seed``), the mixture's row selection over the training pools, an optional reduced draft
-vocabulary, a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id), and a
-``TorchTrainer`` with its own ``ScalingConfig`` and ``RunConfig(storage_path=<run_dir>/ray,
-name=<variant>, FailureConfig(max_failures))``.
+vocabulary, a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id, blocks
+in a seeded order), and a ``TorchTrainer`` with its own ``ScalingConfig`` and
+``RunConfig(storage_path=<run_dir>/ray, name=<variant>, FailureConfig(max_failures))``. The target's
+embedding and LM head (the only target weights a drafter needs) and the held-out rows go to the
+object store once and are shared by all variants.
 
-Concurrency: every ``trainer.fit()`` runs in its own driver thread. In Ray Train V2, ``fit()``
-starts a controller actor and blocks in ``ray.get`` on it (the GIL is released), and it supports
-non-main threads (it only skips installing its SIGINT handler there), so the threads cost nothing
-and the Datasets, the target-weight ObjectRef and the results stay in the driver. CPU workers
+Concurrency: every ``trainer.fit()`` runs in its own (daemon) driver thread. In Ray Train V2,
+``fit()`` starts a controller actor and blocks in ``ray.get`` on it (the GIL is released), and it
+supports non-main threads (it only skips installing its SIGINT handler there), so the threads cost
+nothing and the Datasets, the target-weight ObjectRef and the results stay in the driver. Ctrl-C
+exits the driver, which takes its controller actors and their workers with it; the checkpoints
+stay for ``--resume``. CPU workers
 get ``(cluster CPUs - 1) / workers`` logical CPUs each (one CPU stays free for Ray Data's read
-tasks) and the physical cores split fairly as torch threads.
+tasks, which ask for a quarter CPU each) and the physical cores split fairly as torch threads.
 
 Outputs under ``<output_dir>/<name>/``: ``drafters/<variant>/`` (``config.json`` +
 ``model.safetensors`` of the final checkpoint, loadable by :meth:`DraftHead.load`; ``metrics.jsonl``;
@@ -27,9 +31,9 @@ import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "force"]
 FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
 CACHE_BYTES = 2 * 1024**3
+READ_CPUS = 0.25
 
 
 class TrainLaunchError(ValueError):
@@ -69,6 +74,8 @@ class VariantPlan:
 
 @dataclass
 class VariantResult:
+    """Outcome of one variant: ``metrics`` are its last report (held-out metrics under ``heldout/``)."""
+
     variant: str
     algorithm: str
     mixture: str
@@ -87,6 +94,8 @@ class VariantResult:
 
 @dataclass
 class TrainSummary:
+    """All variants of one ``taps train`` call (written to ``<run_dir>/train_summary.json``)."""
+
     run_dir: str
     wall_s: float
     variants: list[VariantResult]
@@ -235,10 +244,11 @@ def feature_dataset(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray], se
     for name, ids in sorted(rows.items()):
         if len(ids) == 0:
             continue
-        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS)
+        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS,
+                                   ray_remote_args={"num_cpus": READ_CPUS})
         parts.append(ds.map_batches(_select_rows, fn_kwargs={"row_ids": np.asarray(ids, dtype=np.int64),
                                                              "dataset": name},
-                                    batch_format="pyarrow", batch_size=None))
+                                    batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS))
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     return ds.randomize_block_order(seed=seed) if seed is not None else ds
 
@@ -251,7 +261,7 @@ def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> 
             for name, ids in sorted(rows.items()) if len(ids)}
 
 
-def _quiet_ray_data() -> None:
+def quiet_ray_data() -> None:
     import sys
 
     import ray
@@ -277,7 +287,7 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     return gpus, per_worker, threads
 
 
-def _copy_final(checkpoint, out: Path) -> None:
+def copy_final(checkpoint, out: Path) -> None:
     """Copy the checkpoint's drafter files into ``out`` atomically, file by file."""
     with checkpoint.as_directory() as directory:
         source = Path(directory) / DRAFTER_DIR
@@ -287,9 +297,11 @@ def _copy_final(checkpoint, out: Path) -> None:
             os.replace(tmp, out / name)
 
 
-def _build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
-                   weights, target_config, fingerprint: dict, gpus_present: bool, cpus: float, threads: int):
-    import ray
+def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
+                   weights, heldout, target_config, fingerprint: dict, gpus_present: bool, cpus: float,
+                   threads: int, callbacks: list | None = None):
+    """The ``TorchTrainer`` of one planned variant (``callbacks``: Ray Train ``UserCallback``s, e.g. a
+    Tune report callback when a sweep trial drives it)."""
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     variant, train = plan.variant, plan.train
@@ -308,7 +320,7 @@ def _build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets
         "drafter_seed": cfg.drafter.seed,
         "train_rows": plan.rows,
         "datasets": sorted(plan.selection.rows),
-        "heldout": ray.put(heldout_tables(sets, plan.heldout)),
+        "heldout": heldout,
         "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
         "threads": worker_threads,
@@ -332,7 +344,7 @@ def _build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(name=variant.name, storage_path=str(run_dir / "ray"),
-                             failure_config=FailureConfig(max_failures=train.max_failures),
+                             failure_config=FailureConfig(max_failures=train.max_failures), callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              logging_config=LoggingConfig(log_level="ERROR")),
         datasets=datasets,
@@ -399,14 +411,25 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
         return _summarize(run_dir, [], time.time() - started)
 
     init_ray()
-    _quiet_ray_data()
+    quiet_ray_data()
     embed = target.embed_tokens.weight.detach().cpu()
     head = target.lm_head.weight.detach().cpu()
     weights = ray.put({"embed": embed, "lm_head": head})
     del embed, head
     gpus, cpus, threads = _resources(plans)
-    trainers = {p.variant.name: _build_trainer(cfg, p, run_dir, sets, weights, target.config, fingerprint,
-                                               gpus, cpus, threads) for p in plans}
+    wants_gpus = [p.variant.name for p in plans if p.train.use_gpu is True]
+    if wants_gpus and not gpus:
+        print(f"taps train: {wants_gpus} ask for GPU workers (train.use_gpu: true) but the cluster has no GPU "
+              f"yet; they wait for an autoscaler to add GPU nodes (use_gpu: auto trains on CPUs)",
+              file=sys.stderr, flush=True)
+    heldout: dict[tuple, ray.ObjectRef] = {}
+    for p in plans:
+        key = (p.train.heldout_rows, p.train.heldout_seed)
+        if key not in heldout:
+            heldout[key] = ray.put(heldout_tables(sets, p.heldout))
+    trainers = {p.variant.name: build_trainer(cfg, p, run_dir, sets, weights,
+                                               heldout[(p.train.heldout_rows, p.train.heldout_seed)],
+                                               target.config, fingerprint, gpus, cpus, threads) for p in plans}
     print(f"taps train: {len(plans)} variant(s) concurrently -> {run_dir} "
           f"({'GPU' if gpus else f'{cpus:g} CPU / {threads} thread(s)'} per worker)", flush=True)
 
@@ -420,7 +443,7 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
         try:
             fitted = trainers[name].fit()
             out = run_dir / "drafters" / name
-            _copy_final(fitted.checkpoint, out)
+            copy_final(fitted.checkpoint, out)
             result.metrics = dict(fitted.metrics or {})
             result.drafter_dir = str(out)
         except Exception as err:  # a failed variant must not stop the others
@@ -431,9 +454,20 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
         print(f"taps train: {name} {result.status} in {result.wall_s:.0f}s", flush=True)
         return result
 
-    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
-        results = list(pool.map(fit, plans))
-    return _summarize(run_dir, results, time.time() - started)
+    results: dict[str, VariantResult] = {}
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p.variant.name, fit(p)), daemon=True)
+               for p in plans]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=1.0)
+    except KeyboardInterrupt:
+        print(f"taps train: interrupted; checkpoints are kept in {run_dir / 'ray'}, continue with --resume",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    return _summarize(run_dir, [results[p.variant.name] for p in plans], time.time() - started)
 
 
 def _summarize(run_dir: Path, results: list[VariantResult], wall_s: float) -> TrainSummary:
@@ -452,7 +486,7 @@ def summary_table(summary: TrainSummary) -> str:
                       if k.startswith("heldout/") and k.count("/") == 2})
     head = (["variant", "algorithm", "mixture", "rows", "tokens", "epochs", "steps", "final loss"]
             + [f"acc@{k}" for k in range(1, depth + 1)] + ["sim. tau"] + [f"tau {d}" for d in domains]
-            + ["wall s", "status"])
+            + ["tok/s/worker", "wall s", "status"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def num(value, fmt: str) -> str:
@@ -464,7 +498,8 @@ def summary_table(summary: TrainSummary) -> str:
                   str(m.get("step", r.steps)), num(m.get("loss"), ".4f")]
                  + [num(m.get(f"heldout/acc{k}"), ".3f") for k in range(1, depth + 1)]
                  + [num(m.get("heldout/tau"), ".3f")] + [num(m.get(f"heldout/{d}/tau"), ".3f") for d in domains]
-                 + [f"{r.wall_s:.0f}", r.status if not r.error else f"{r.status}: {r.error[:80]}"])
+                 + [num(m["tokens"] / m["train_seconds"] if m.get("train_seconds") else None, ".0f"),
+                    f"{r.wall_s:.0f}", r.status if not r.error else f"{r.status}: {r.error[:80]}"])
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nwall time {summary.wall_s:.0f}s; outputs in {summary.run_dir}")
     return "\n".join(lines)

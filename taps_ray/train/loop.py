@@ -201,6 +201,7 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     train_seconds: float = 0.0
+    cpu_seconds: float = 0.0
     last_eval_epoch: int = -1
     attempts: list[dict] = field(default_factory=list)
     heldout: dict = field(default_factory=dict)
@@ -383,12 +384,14 @@ def train_loop_per_worker(config: dict) -> dict:
                 "objective": objective.model_dump(), "train": train.model_dump(),
                 "training": {"step": state.step, "total_steps": total_steps, "epochs": total_epochs,
                              "tokens": state.tokens, "train_seconds": round(state.train_seconds, 2),
+                             "cpu_seconds": round(state.cpu_seconds, 2),
                              "attempts": state.attempts, "final": final},
                 "metrics": state.heldout}
 
     def report(metrics: dict, final: bool = False) -> None:
         metrics = {"variant": variant, "step": state.step, "total_steps": total_steps, "tokens": state.tokens,
-                   "train_seconds": state.train_seconds, "attempt": len(state.attempts), "done": final, **metrics}
+                   "train_seconds": state.train_seconds, "cpu_seconds": state.cpu_seconds,
+                   "attempt": len(state.attempts), "done": final, **metrics}
         if rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return
@@ -422,7 +425,7 @@ def train_loop_per_worker(config: dict) -> dict:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()
                 raise InjectedFailure(f"{variant}: injected failure before step {state.step + 1} ({FAIL_ENV})")
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             batch = {k: v.to(device, non_blocking=True) for k, v in
                      collate(rows, hidden_size, train.max_tokens).items()}
             lr = lr_at(state.step - stage.first_epoch * per_epoch, stage_steps, stage.lr, train.warmup_steps,
@@ -441,6 +444,7 @@ def train_loop_per_worker(config: dict) -> dict:
             state.tokens += tokens
             seconds = time.perf_counter() - started
             state.train_seconds += seconds
+            state.cpu_seconds += time.process_time() - cpu_started
             window["seconds"] += seconds
             window["loss"] += out.parts["loss"]
             window["acc1"] += out.top1_acc[0] if not math.isnan(out.top1_acc[0]) else 0.0

@@ -19,6 +19,7 @@ from taps_ray.train.loop import (
     collate,
     epoch_batches,
     lr_at,
+    noise_seed,
     parse_fail_at,
     plan_stages,
     stage_of,
@@ -91,6 +92,12 @@ def test_collate_pads_right_and_crops():
     assert batch["hidden"][0, 4].tolist() == [12.0, 13.0, 14.0] and batch["hidden"][1, 3:].abs().sum() == 0
     cropped = collate([_raw_row(0, 5), _raw_row(1, 3)], hidden_size=3, max_tokens=4)
     assert cropped["input_ids"].shape == (2, 4) and cropped["attention_mask"][0].sum() == 4
+
+
+def test_noise_seed_depends_on_seed_rank_and_step_only():
+    seeds = {noise_seed(s, r, t) for s in (0, 1) for r in (0, 1) for t in (0, 1, 2)}
+    assert len(seeds) == 12 and noise_seed(0, 1, 2) == noise_seed(0, 1, 2)
+    assert torch.Generator().manual_seed(noise_seed(3, 0, 5)).initial_seed() == noise_seed(3, 0, 5)
 
 
 def test_fail_at_parsing():
