@@ -211,25 +211,24 @@ def completion_response(rid: str, model: str, text: str, finish: str, usage: dic
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               usage: dict | None = None, include_usage: bool = False, taps: dict | None = None) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                   "finish_reason": finish}]}
+def _stream_chunk(rid: str, model: str, created: int, obj: str, choice: dict | None, usage: dict | None,
+                  include_usage: bool, taps: dict | None) -> dict:
+    chunk = {"id": rid, "object": obj, "created": created, "model": model,
+             "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}]}
     if include_usage:
         chunk["usage"] = usage
     if taps is not None:
         chunk["taps"] = taps
     return chunk
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+               usage: dict | None = None, include_usage: bool = False, taps: dict | None = None) -> dict:
+    choice = None if delta is None else {"delta": delta, "finish_reason": finish}
+    return _stream_chunk(rid, model, created, "chat.completion.chunk", choice, usage, include_usage, taps)
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
                      usage: dict | None = None, include_usage: bool = False, taps: dict | None = None) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None,
-                                                  "finish_reason": finish}]}
-    if include_usage:
-        chunk["usage"] = usage
-    if taps is not None:
-        chunk["taps"] = taps
-    return chunk
+    choice = None if text is None else {"text": text, "finish_reason": finish}
+    return _stream_chunk(rid, model, created, "text_completion", choice, usage, include_usage, taps)
