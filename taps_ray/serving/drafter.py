@@ -59,6 +59,8 @@ class DraftSessions:
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
         self._last_reap = time.monotonic()
+        self.opened = 0
+        self.resends = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -85,12 +87,15 @@ class DraftSessions:
             session = self._sessions.get(rid)
             if session is None:
                 if offset != 0:
+                    self.resends += 1
                     return {"need": 0}
                 session = self._sessions[rid] = _Session(DrafterState(self.drafter))
+                self.opened += 1
             session.wanted = max(session.wanted, upto)
         with session.lock:
             session.last_used = time.monotonic()
             if session.held < offset:
+                self.resends += 1
                 return {"need": session.held}
             try:
                 if upto > session.held:
@@ -196,10 +201,12 @@ class Drafter:
         return self.sessions.end(rid)
 
     def stats(self) -> dict:
-        """This replica's name, actor name, pid, live sessions, weights spec and resident memory."""
+        """This replica's name, actor name, pid, live / opened sessions, resend requests, weights spec and
+        resident memory."""
         self.sessions.reap()
         return {"name": self.name, "replica": _replica_actor_name(), "pid": os.getpid(),
-                "sessions": len(self.sessions), "spec": self.spec, "rss_bytes": rss_bytes()}
+                "sessions": len(self.sessions), "opened": self.sessions.opened, "resends": self.sessions.resends,
+                "spec": self.spec, "rss_bytes": rss_bytes()}
 
 
 def _replica_actor_name() -> str | None:
