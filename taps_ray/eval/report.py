@@ -122,24 +122,29 @@ def routing_table(data: Records) -> list[dict]:
     return rows
 
 
-def entropy_table(data: Records) -> list[dict]:
-    """Rows (temperature, strategy, benchmark | all): mean draft / target entropy at accepted and at
-    rejected draft tokens (the first tried child at the first failing depth)."""
-    rows = []
+def speculative_groups(data: Records):
+    """Yield (temperature, strategy, benchmark | "all", records) for every non-empty speculative group."""
     for t in data.temperatures:
         for s in data.speculative(t):
             for b in [*data.benchmarks, "all"]:
                 group = data.get(t, s, None if b == "all" else b)
-                if not group:
-                    continue
-                acc_d = [v for r in group for step in r.get("draft_entropy", []) for v in step if v is not None]
-                acc_t = [v for r in group for step in r.get("target_entropy", []) for v in step if v is not None]
-                rej_d = [v for r in group for v in r.get("rejected_draft_entropy", []) if v is not None]
-                rej_t = [v for r in group for v in r.get("rejected_target_entropy", []) if v is not None]
-                rows.append({"temperature": t, "strategy": s, "benchmark": b,
-                             "accepted_draft": _mean(acc_d), "rejected_draft": _mean(rej_d),
-                             "accepted_target": _mean(acc_t), "rejected_target": _mean(rej_t),
-                             "accepted_tokens": len(acc_d), "rejected_tokens": len(rej_d)})
+                if group:
+                    yield t, s, b, group
+
+
+def entropy_table(data: Records) -> list[dict]:
+    """Rows (temperature, strategy, benchmark | all): mean draft / target entropy at accepted and at
+    rejected draft tokens (the first tried child at the first failing depth)."""
+    rows = []
+    for t, s, b, group in speculative_groups(data):
+        acc_d = [v for r in group for step in r.get("draft_entropy", []) for v in step if v is not None]
+        acc_t = [v for r in group for step in r.get("target_entropy", []) for v in step if v is not None]
+        rej_d = [v for r in group for v in r.get("rejected_draft_entropy", []) if v is not None]
+        rej_t = [v for r in group for v in r.get("rejected_target_entropy", []) if v is not None]
+        rows.append({"temperature": t, "strategy": s, "benchmark": b,
+                     "accepted_draft": _mean(acc_d), "rejected_draft": _mean(rej_d),
+                     "accepted_target": _mean(acc_t), "rejected_target": _mean(rej_t),
+                     "accepted_tokens": len(acc_d), "rejected_tokens": len(rej_d)})
     return rows
 
 
@@ -155,17 +160,12 @@ def depth_curve(group: list[dict]) -> tuple[list[float], list[int]]:
 def depth_table(data: Records) -> list[dict]:
     """Rows (temperature, strategy, benchmark | all): acceptance rate at depth 1..D+1, steps reaching each."""
     rows = []
-    for t in data.temperatures:
-        for s in data.speculative(t):
-            for b in [*data.benchmarks, "all"]:
-                group = data.get(t, s, None if b == "all" else b)
-                if not group:
-                    continue
-                rates, support = depth_curve(group)
-                row = {"temperature": t, "strategy": s, "benchmark": b}
-                for d, (rate, n) in enumerate(zip(rates, support), start=1):
-                    row[f"d{d}"], row[f"n{d}"] = rate, n
-                rows.append(row)
+    for t, s, b, group in speculative_groups(data):
+        rates, support = depth_curve(group)
+        row = {"temperature": t, "strategy": s, "benchmark": b}
+        for d, (rate, n) in enumerate(zip(rates, support), start=1):
+            row[f"d{d}"], row[f"n{d}"] = rate, n
+        rows.append(row)
     return rows
 
 
