@@ -300,6 +300,20 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- sweep ---------------------------------------------------------------------------------------
+
+def _add_sweep(parser: argparse.ArgumentParser) -> None:
+    from taps_ray.sweeps.run import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from taps_ray.sweeps.run import run_command
+
+    return run_command(args)
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "prepare": ("compute and cache target features for the config's datasets", _add_prepare, _run_prepare),
     "generate": ("generate a reply with plain or speculative decoding", _add_generate, _run_generate),
@@ -309,6 +323,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
     "train": ("train drafter variants concurrently with Ray Train", _add_train, _run_train),
     "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)", _add_serve, _run_serve),
+    "sweep": ("Ray Tune sweep over data-mixture ratios or checkpoint-interpolation weights (tune/*.yaml)",
+              _add_sweep, _run_sweep),
 }
 
 

@@ -1,0 +1,83 @@
+"""Interpolation sweep trials: average K drafters of one target in weight space and measure tau.
+
+A trial (one Tune actor with the spec's ``eval_cpus``, + 1 GPU with ``use_gpu``) loads the target
+and the drafters once per actor (actors are reused across trials), averages them with the trial's
+weights (``alpha, 1 - alpha`` or a weight vector), saves the averaged drafter under
+``<out>/trials/<trial_id>/drafter`` and reports tau per domain on the held-out prompts and the
+objective. ``alpha = 1`` is the first drafter itself, ``alpha = 0`` the second (the paper's Figure 6).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead, average_drafters
+from taps_ray.spec.compose import check_drafters
+from taps_ray.spec.decoder import load_drafter
+from taps_ray.sweeps.config import InterpolationSweepSpec
+from taps_ray.sweeps.trial import cached_target, domain_taus, maybe_fail, record_attempt, tau_metrics
+
+RANDOM_PREFIX = "random:"
+_DRAFTERS: dict[tuple, DraftHead] = {}
+
+
+@dataclass
+class InterpolationContext:
+    """Everything an interpolation trial needs, resolved on the driver (absolute paths, token ids)."""
+
+    spec: InterpolationSweepSpec
+    target: dict
+    drafters: dict[str, str]
+    prompts: dict[str, list[list[int]]]
+    tree: dict
+    out_dir: str
+    threads: int | None
+    fail: str | None = None
+
+
+def load_source(target, name: str, source: str) -> DraftHead:
+    """The drafter of ``source`` (a checkpoint folder, or ``random:SEED``), cached per process."""
+    key = (target.name, name, source)
+    if key not in _DRAFTERS:
+        seed = int(source[len(RANDOM_PREFIX):]) if source.startswith(RANDOM_PREFIX) else 0
+        head = load_drafter(target, None if source.startswith(RANDOM_PREFIX) else source, seed)
+        head.metadata.setdefault("name", name)
+        _DRAFTERS[key] = head
+    return _DRAFTERS[key]
+
+
+def interpolation_trial(config: dict, context: InterpolationContext) -> None:
+    """One Tune trial: average, save, evaluate, report (see module docstring)."""
+    from ray import tune
+
+    started = time.time()
+    folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
+    attempt = record_attempt(folder)
+    maybe_fail(context.fail, config)
+    if context.threads:
+        torch.set_num_threads(context.threads)
+    target = cached_target(context.target)
+    names = list(context.drafters)
+    heads = [load_source(target, name, context.drafters[name]) for name in names]
+    check_drafters(heads, names, target)
+    weights = context.spec.weights_of(config)
+    merged = average_drafters(heads, weights)
+    merged.metadata.update(name=f"{context.spec.name}-{folder.name}",
+                           averaged_from={n: context.drafters[n] for n in names}, weights=weights)
+    drafter_dir = merged.save(folder / "drafter", target.fingerprint)
+    taus = domain_taus(target, merged, context.prompts, TreeConfig(**context.tree), context.spec.eval.max_new_tokens)
+    metrics = tau_metrics(taus)
+    tune.report({
+        **metrics,
+        "objective": context.spec.objective.value({d: t.tau for d, t in taus.items()}),
+        "weights": weights,
+        "drafter": str(drafter_dir),
+        "attempt": attempt,
+        "wall_s": time.time() - started,
+        "evaluated": True,
+    })

@@ -1,0 +1,121 @@
+"""What every sweep trial shares: tau on held-out prompts with the core decoder, attempt records,
+failure injection, and a per-process cache of loaded targets.
+
+Failure injection (tests, drills): ``$TAPS_SWEEP_FAIL`` = ``KEY=VALUE[,KEY=VALUE]`` (read by the
+driver) makes every attempt of the trials whose config matches all pairs raise before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from taps_ray.config import TargetConfig, TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec import stats
+from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.decoder import generate
+
+FAIL_ENV = "TAPS_SWEEP_FAIL"
+ATTEMPTS = "attempts.jsonl"
+_TARGETS: dict[str, TargetModel] = {}
+
+
+class InjectedTrialFailure(RuntimeError):
+    """Raised by the failure-injection hook."""
+
+
+@dataclass
+class DomainTau:
+    """Speculative decoding of one domain's prompts: tau = ``appended / steps`` (micro average)."""
+
+    tau: float
+    tau_per_question: float
+    steps: int
+    appended: int
+    prompts: int
+
+
+def cached_target(target: dict) -> TargetModel:
+    """The target of ``target`` (a :class:`TargetConfig` dump), loaded once per process."""
+    key = json.dumps(target, sort_keys=True)
+    if key not in _TARGETS:
+        _TARGETS[key] = TargetModel.load(TargetConfig(**target))
+    return _TARGETS[key]
+
+
+def domain_taus(target: TargetModel, drafter: DraftHead, prompts: dict[str, list[list[int]]], tree: TreeConfig,
+                max_new_tokens: int) -> dict[str, DomainTau]:
+    """Greedy speculative decoding of every prompt (token ids) with ``drafter``'s EAGLE-2 tree."""
+    strategy = build_strategy("single", [drafter], tree)
+    out = {}
+    for domain, items in prompts.items():
+        steps, per_question = [], []
+        for ids in items:
+            result = generate(target, torch.tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
+                              collect_entropy=False)
+            steps += result.steps
+            if result.steps:
+                per_question.append(result.tau)
+        out[domain] = DomainTau(
+            tau=stats.tau(steps) if steps else math.nan,
+            tau_per_question=sum(per_question) / len(per_question) if per_question else math.nan,
+            steps=len(steps), appended=sum(s.appended for s in steps), prompts=len(items))
+    return out
+
+
+def tau_metrics(taus: dict[str, DomainTau]) -> dict[str, float]:
+    """Flat metrics ``tau/<domain>``, ``tau_per_question/<domain>``, ``steps/<domain>``."""
+    metrics: dict[str, float] = {}
+    for domain, result in taus.items():
+        metrics[f"tau/{domain}"] = result.tau
+        metrics[f"tau_per_question/{domain}"] = result.tau_per_question
+        metrics[f"steps/{domain}"] = result.steps
+    return metrics
+
+
+def evaluate_checkpoint(target: dict, drafter_dir: str, prompts: dict[str, list[list[int]]], tree: dict,
+                        max_new_tokens: int, threads: int | None) -> dict[str, float]:
+    """:func:`tau_metrics` of the drafter checkpoint in ``drafter_dir`` (run as a Ray task)."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = cached_target(target)
+    head = DraftHead.load(drafter_dir, model.config, model.fingerprint, model.device, model.dtype)
+    return tau_metrics(domain_taus(model, head, prompts, TreeConfig(**tree), max_new_tokens))
+
+
+def record_attempt(folder: Path) -> int:
+    """Append this attempt of a trial to ``folder/attempts.jsonl``; return its number (1-based)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ATTEMPTS
+    with path.open("a") as f:
+        f.write(json.dumps({"time": time.time(), "pid": os.getpid()}) + "\n")
+    return len(path.read_text().splitlines())
+
+
+def count_attempts(folder: Path) -> int:
+    path = folder / ATTEMPTS
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _matches(value, wanted: str) -> bool:
+    try:
+        return math.isclose(float(value), float(wanted))
+    except (TypeError, ValueError):
+        return str(value) == wanted
+
+
+def maybe_fail(fail: str | None, config: dict) -> None:
+    """Raise :class:`InjectedTrialFailure` when ``fail`` (``KEY=VALUE[,..]``) matches ``config``."""
+    if not fail:
+        return
+    pairs = [item.split("=", 1) for item in fail.split(",") if "=" in item]
+    if pairs and all(key in config and _matches(config[key], value) for key, value in pairs):
+        raise InjectedTrialFailure(f"injected failure for trial {config} ({FAIL_ENV}={fail})")
