@@ -471,10 +471,16 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
 
 
 def _summarize(run_dir: Path, results: list[VariantResult], wall_s: float) -> TrainSummary:
+    """This call's summary; ``train_summary.json`` also keeps earlier entries of variants not run now."""
     summary = TrainSummary(str(run_dir), wall_s, results)
+    record = summary.to_dict()
     path = run_dir / "train_summary.json"
+    if path.exists():
+        ran = {r.variant for r in results}
+        earlier = json.loads(path.read_text()).get("variants", [])
+        record["variants"] = [v for v in earlier if v.get("variant") not in ran] + record["variants"]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary.to_dict(), indent=1, default=float))
+    tmp.write_text(json.dumps(record, indent=1, default=float))
     os.replace(tmp, path)
     return summary
 

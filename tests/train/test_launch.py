@@ -107,6 +107,8 @@ def test_existing_run_is_refused_unless_resumed(trained, experiment, capsys):
     assert "already holds variant(s) ['b']" in _error_line(capsys)
     resumed = run_training(cfg, mode="resume", target=target)
     assert resumed.variants == [] and weights.stat().st_mtime_ns == before
+    saved = json.loads((cfg.run_dir / "train_summary.json").read_text())
+    assert [v["variant"] for v in saved["variants"]] == ["a", "b"]
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -148,6 +150,7 @@ def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
     gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_mgr, obj_mgr = _free_ports(9)
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     bin_dir = str(Path(sys.executable).parent)
+    head_log = tmp_path / "ray_start.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "TAPS_CACHE": os.environ["TAPS_CACHE"]}
@@ -159,14 +162,14 @@ def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
          f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={node_mgr}",
          f"--object-manager-port={obj_mgr}", "--num-cpus=3", "--disable-usage-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        env=env, stdout=head_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     try:
         from ray.job_submission import JobSubmissionClient
 
         client_ = None
         for _ in range(90):
-            assert head.poll() is None, head.stdout.read()
+            assert head.poll() is None, head_log.read_text()
             try:
                 client_ = JobSubmissionClient(address)
                 break
@@ -174,7 +177,8 @@ def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
                 time.sleep(1)
         assert client_ is not None, "job server did not come up"
         submit = subprocess.run(
-            [f"{bin_dir}/ray", "job", "submit", f"--address={address}", "--working-dir", ".", "--", "taps", "train", str(cfg_path), "train.epochs=1", "--variants", "b"],
+            [f"{bin_dir}/ray", "job", "submit", f"--address={address}", "--working-dir", ".", "--",
+             "taps", "train", str(cfg_path), "train.epochs=1", "--variants", "b"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
         output = submit.stdout + submit.stderr
         assert submit.returncode == 0, submit.stdout[-4000:]
