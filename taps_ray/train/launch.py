@@ -280,7 +280,11 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     cluster = ray.cluster_resources()
     workers = sum(p.train.num_workers for p in plans)
     gpus = cluster.get("GPU", 0) > 0
-    cpus = float(cluster.get("CPU", 1))
+    total, free = float(cluster.get("CPU", 1)), float(ray.available_resources().get("CPU", 0.0))
+    cpus = free if 1.0 + 0.1 * workers <= free < total else total
+    if cpus < total:
+        print(f"taps train: {total - free:g} of the cluster's {total:g} CPUs are held by other work; "
+              f"CPU workers share the {free:g} free", flush=True)
     cores = min(cpus, float(os.cpu_count() or 1)) if len(ray.nodes()) == 1 else cpus
     per_worker = max(0.1, round((cpus - 1.0) / workers, 2)) if cpus > 1 else cpus / workers
     threads = max(1, int(cores // workers))
@@ -353,23 +357,21 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
 
 
 def _trainer_class():
-    """``TorchTrainer``; without a dashboard, one that leaves out the placement-group cleaner, a
-    detached actor that polls the state API (served by the dashboard) every second and, without
-    it, only logs a warning each time."""
+    """``TorchTrainer``; without a dashboard, one whose placement-group cleaner pings the controller
+    instead of asking the state API (see :mod:`taps_ray.train.placement`)."""
     import ray
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from taps_ray.train.placement import ReaperCallback
 
     if ray._private.worker.get_dashboard_url():
-        return TorchTrainer
-    try:
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    except ImportError:
         return TorchTrainer
 
     class DrafterTrainer(TorchTrainer):
         def _create_default_callbacks(self):
-            return [c for c in super()._create_default_callbacks()
-                    if not isinstance(c, PlacementGroupCleanerCallback)]
+            kept = [c for c in super()._create_default_callbacks() if not isinstance(c, PlacementGroupCleanerCallback)]
+            return [*kept, ReaperCallback()]
 
     return DrafterTrainer
 

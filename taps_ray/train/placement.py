@@ -1,0 +1,88 @@
+"""Placement groups of a Ray Train run that outlive its controller are removed, with or without a dashboard.
+
+A Train V2 worker group reserves its resources in a placement group scoped to the job, not to the
+controller actor that created it. When the controller dies without shutting down (a Tune trial
+stopped by ASHA or failed kills its trial actor, which owns the controller), the group stays
+reserved until the job ends. Ray's own cleaner asks the state API, served by the dashboard,
+whether the controller lives; with ``include_dashboard=False`` (the local default here) it can
+never tell and the reservation leaks, starving the next trials. :class:`PlacementGroupReaper`
+is a detached actor that instead pings the controller and removes its groups once it is gone;
+:class:`ReaperCallback` starts one per run and registers each worker group with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+log = logging.getLogger(__name__)
+
+
+class PlacementGroupReaper:
+    """Watches one controller (an actor handle); when a ping reports it dead, removes every
+    registered placement group that is still reserved and exits."""
+
+    def __init__(self, controller, interval_s: float = 1.0):
+        self.controller, self.interval_s = controller, interval_s
+        self.groups: list = []
+        self.stopped = False
+
+    def register(self, group) -> None:
+        self.groups.append(group)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self.stopped:
+                break
+            try:
+                await self.controller.__ray_ready__.remote()
+            except ray.exceptions.RayActorError:
+                self._remove_groups()
+                break
+        ray.actor.exit_actor()
+
+    def stop(self) -> None:
+        """The controller shuts down normally and removes its groups itself: exit without removing."""
+        self.stopped = True
+
+    def _remove_groups(self) -> None:
+        for group in self.groups:
+            if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+                log.warning("Ray Train controller died; removing its placement group %s", group.id.hex())
+                ray.util.remove_placement_group(group)
+
+
+class ReaperCallback(ControllerCallback, WorkerGroupCallback):
+    """Train controller callback: one :class:`PlacementGroupReaper` per run (stopped when the run
+    shuts down or aborts normally, since the controller then removes its groups itself)."""
+
+    def __init__(self):
+        self.reaper = None
+
+    def after_controller_start(self, train_run_context) -> None:
+        controller = ray.get_runtime_context().current_actor
+        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(lifetime="detached").remote(controller)
+        self.reaper.watch.remote()
+
+    def after_worker_group_start(self, worker_group) -> None:
+        if self.reaper is not None:
+            group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+            ray.get(self.reaper.register.remote(group))
+
+    async def before_controller_shutdown(self) -> None:
+        self._stop()
+
+    def before_controller_abort(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.reaper is not None:
+            try:
+                ray.get(self.reaper.stop.remote(), timeout=10)
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                log.warning("placement-group reaper did not stop cleanly: %s", err)
+            self.reaper = None
