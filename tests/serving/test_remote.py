@@ -17,8 +17,7 @@ from taps_ray.serving.verifier import RemoteStrategy, TextStream, resolve_plan, 
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
-from tests.spec.spec_helpers import random_prompt, sharp_drafter
-from tests.spec.test_compose import bigram_target, oracle_drafter
+from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
 TREE = TreeConfig(depth=3, top_k=4, total_tokens=12)
 NEW = 40

@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec.decoder import DecodeState
 from taps_ray.spec.tree import DraftTree, build_tree
@@ -50,6 +51,37 @@ def sharp_drafter(target: TargetModel, seed: int = 0, gain: float = 4.0):
                 param.mul_(gain)
     return drafter
 
+
+
+def bigram_target(seed: int = 0, vocab_size: int = 256, hidden_size: int = 64):
+    """A tiny Llama whose layers add nothing (o_proj, down_proj = 0): the next token is a fixed function of
+    the current one, argmax W norm(embed(t)), with a random untied head W (EOS row 0)."""
+    target = make_tiny_target(seed, vocab_size=vocab_size, hidden_size=hidden_size)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in target.model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.nn.Linear(hidden_size, vocab_size, bias=False)
+        head.weight.copy_(torch.randn(vocab_size, hidden_size, generator=g))
+        head.weight[sorted(target.eos_token_ids)] = 0.0
+    target.model.lm_head = head
+    target.lm_head = head
+    return target
+
+
+def oracle_drafter(target, vocab: torch.Tensor | None = None, gain: float = 60.0, seed: int = 0) -> DraftHead:
+    """For a :func:`bigram_target`: predicts the target's next token exactly (``f̂ = gain * embed(token)``),
+    restricted to the draft vocabulary ``vocab`` (a specialist: right only where the next token is in it)."""
+    drafter = DraftHead(target.config, draft_to_target=vocab, seed=seed).eval()
+    h = target.hidden_size
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.bias.zero_()
+        drafter.fc.weight[:, :h] = torch.eye(h) * gain
+        drafter.layer.self_attn.o_proj.weight.zero_()
+        drafter.layer.mlp.down_proj.weight.zero_()
+    return drafter
 
 
 def benchmark_messages(per_benchmark: int) -> list[list[dict]]:
