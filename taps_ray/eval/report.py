@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -539,9 +540,37 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
     return "\n".join(lines)
 
 
-def write_report(out: str | Path) -> Path:
+SWEEPS_FILE = "sweeps.json"
+
+
+def sweep_sections(out: Path, sweeps: list[str]) -> list[str]:
+    """Markdown of each sweep folder's ``results.csv`` (evaluated trials) with its plot copied into
+    ``out/plots`` as ``sweep-<name>.png``; a folder without results is named as missing."""
+    lines = []
+    for folder in map(Path, sweeps):
+        results = folder / "results.csv"
+        lines += [f"## Sweep `{folder.name}` ({folder})", ""]
+        if not results.is_file():
+            lines += [f"No `results.csv` in {folder}: the sweep has not finished.", ""]
+            continue
+        with results.open() as f:
+            rows = [r for r in csv.DictReader(f) if r.get("objective")]
+        if rows:
+            keys = [k for k in rows[0] if k in ("alpha", "weights", "ratio", "total")]
+            taus = [k for k in rows[0] if k.startswith("tau/")]
+            lines += [markdown_table(rows, [*keys, *taus, "objective", "wall_s"]), ""]
+        for plot in sorted(folder.glob("*.png")):
+            name = f"sweep-{folder.name}-{plot.name}"
+            shutil.copyfile(plot, out / "plots" / name)
+            lines += [f"![{name}](plots/{name})", ""]
+    return lines
+
+
+def write_report(out: str | Path, sweeps: list[str | Path] | None = None) -> Path:
     """Regenerate ``report.md``, ``tables/*.csv``, ``plots/*.png`` and ``summary.json`` in ``out`` from its
-    records; returns the path of ``report.md``. FileNotFoundError when ``out`` has no records."""
+    records; returns the path of ``report.md``. ``sweeps``: sweep folders (``taps sweep`` outputs) whose
+    results and plots the report includes; they are remembered in ``out/sweeps.json`` for later
+    regenerations. FileNotFoundError when ``out`` has no records."""
     from taps_ray.eval.runner import RECORDS, RUN_FILE, read_records
 
     out = Path(out)
@@ -561,6 +590,10 @@ def write_report(out: str | Path) -> Path:
     summary = {"run": run, "records": len(records), "temperatures": data.temperatures, "benchmarks": data.benchmarks,
                "strategies": data.strategies, **tables, "plots": plots}
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=1))
+    if sweeps is not None:
+        (out / SWEEPS_FILE).write_text(json.dumps([str(Path(p).resolve()) for p in sweeps], indent=1))
+    remembered = json.loads((out / SWEEPS_FILE).read_text()) if (out / SWEEPS_FILE).is_file() else []
     path = out / "report.md"
-    path.write_text(render_markdown(tables, data, run, plots))
+    markdown = render_markdown(tables, data, run, plots)
+    path.write_text("\n".join([markdown, *sweep_sections(out, remembered)]))
     return path

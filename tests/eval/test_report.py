@@ -182,3 +182,24 @@ def test_write_report_and_cli(tmp_path):
     assert main(["report", str(empty)]) == 2
     with pytest.raises(FileNotFoundError, match="no records"):
         write_report(empty)
+
+
+def test_report_includes_sweeps_and_remembers_them(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in paper_like_records()))
+    sweep = tmp_path / "interpolation"
+    sweep.mkdir()
+    (sweep / "results.csv").write_text("trial_id,status,alpha,tau/math,tau/chat,objective,wall_s\n"
+                                       "t0,ok,0.0,1.5,2.5,2.0,12.0\nt1,error,0.5,,,,3.0\nt2,ok,1.0,2.75,1.25,2.0,11.0\n")
+    (sweep / "tau_vs_alpha.png").write_bytes(b"\x89PNG fake")
+    unfinished = tmp_path / "mixture"
+    assert main(["report", str(out), "--sweep", str(sweep), "--sweep", str(unfinished)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| 0.0 | 1.5 | 2.5 | 2.0 | 12.0 |" in text and "| 1.0 | 2.75 | 1.25 | 2.0 | 11.0 |" in text
+    assert "| 0.5 |" not in text, "a trial without an objective is not a result"
+    assert "![sweep-interpolation-tau_vs_alpha.png](plots/sweep-interpolation-tau_vs_alpha.png)" in text
+    assert (out / "plots" / "sweep-interpolation-tau_vs_alpha.png").read_bytes() == b"\x89PNG fake"
+    assert f"No `results.csv` in {unfinished}" in text
+    write_report(out)
+    assert "| 1.0 | 2.75 | 1.25 | 2.0 | 11.0 |" in (out / "report.md").read_text(), "regeneration keeps the sweeps"
