@@ -28,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q -ra
 
 demo: setup
-	$(VENV)/bin/taps prepare configs/demo.yaml
+	$(VENV)/bin/taps demo configs/demo.yaml $(if $(filter full,$(DEMO)),--full)
 
 lint: setup
 	$(VENV)/bin/ruff check taps_ray tests benchmarks

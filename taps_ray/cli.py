@@ -237,12 +237,14 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 def _add_report(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="an evaluation run folder (holds records.jsonl)")
+    parser.add_argument("--sweep", action="append", default=None, metavar="DIR",
+                        help="include a `taps sweep` output folder's results and plot (repeatable; remembered)")
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from taps_ray.eval.report import write_report
 
-    print(write_report(args.dir))
+    print(write_report(args.dir, args.sweep))
     return 0
 
 
@@ -314,7 +316,25 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+# -- demo ----------------------------------------------------------------------------------------
+
+def _add_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default="configs/demo.yaml", help="experiment YAML (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.limit=5")
+    parser.add_argument("--full", action="store_true", help="the larger run (`make demo DEMO=full`): more training, "
+                                                            "larger evaluation limits, into runs/demo-full")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the interpolation sweep")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from taps_ray.demo import run_demo
+
+    run_demo(args.config, args.overrides, full=args.full, sweep=not args.no_sweep)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "demo": ("the whole study on one config: prepare, train, eval, interpolation sweep, report", _add_demo, _run_demo),
     "prepare": ("compute and cache target features for the config's datasets", _add_prepare, _run_prepare),
     "generate": ("generate a reply with plain or speculative decoding", _add_generate, _run_generate),
     "eval": ("benchmarks x strategies x temperatures on Ray actors, then the report", _add_eval, _run_eval),

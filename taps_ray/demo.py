@@ -1,0 +1,122 @@
+"""``taps demo``: the TAPS study end to end on one experiment config (``make demo``).
+
+prepare (target features, cached) -> train (every variant concurrently; finished drafters are
+kept) -> eval (the config's ``eval`` section: benchmarks x strategies over the trained drafters;
+finished records are kept) -> interpolation sweep (``tune/interpolation.yaml`` over the ``math``
+and ``chat`` drafters; a finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the
+sweep's plot). ``full`` applies :data:`FULL`: a separate run (``demo-full``) with more training
+and larger evaluation limits. Prints the tau table, the claims, each stage's wall time and the
+report's path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from taps_ray.config import ExperimentConfig, load_config
+
+SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
+FULL = ["name=demo-full", "train.epochs=3", "eval.limit=10", "eval.max_new_tokens=128"]
+ROLES = {"math": "hass-math", "chat": "hass-chat", "mixed": "hass-mixed"}
+
+
+@dataclass
+class DemoTimes:
+    """Wall seconds per stage, in order."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> str:
+        rows = [f"| {name} | {seconds:.0f} |" for name, seconds in self.stages.items()]
+        total = sum(self.stages.values())
+        return "\n".join(["| stage | wall s |", "|---|---:|", *rows, f"| total | {total:.0f} |"])
+
+
+def demo_config(path: str | Path, overrides: list[str], full: bool) -> ExperimentConfig:
+    """The experiment with the eval drafters pointed at this run's trained HASS variants."""
+    cfg = load_config(path, [*(FULL if full else []), *overrides])
+    drafters = {role: str((cfg.run_dir / "drafters" / variant).resolve()) for role, variant in ROLES.items()
+                if any(v.name == variant for v in cfg.variants)}
+    missing = sorted(set(ROLES) - set(drafters))
+    if missing:
+        raise ValueError(f"the demo evaluates the variants {sorted(ROLES.values())}; "
+                         f"{path} has no variant for role(s) {missing}")
+    evaluation = cfg.eval.model_copy(update={"drafters": {**cfg.eval.drafters, **drafters}})
+    return cfg.model_copy(update={"eval": evaluation})
+
+
+def _section(markdown: str, title: str) -> str:
+    """The first ``### title`` section of a report (up to the next heading)."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("###") and title in line), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+    return "\n".join(lines[start:end]).strip()
+
+
+def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = False,
+             sweep: bool = True) -> Path:
+    """Run every stage (see module docstring); returns the report's path."""
+    from taps_ray.data.features import prepare_features, summary_table
+    from taps_ray.eval.report import write_report
+    from taps_ray.eval.runner import run_eval
+    from taps_ray.models.target import TargetModel
+    from taps_ray.sweeps.config import load_spec
+    from taps_ray.sweeps.run import report as sweep_report
+    from taps_ray.sweeps.run import run_sweep
+    from taps_ray.train.launch import run_training
+    from taps_ray.train.launch import summary_table as train_table
+
+    cfg = demo_config(path, list(overrides or []), full)
+    times = DemoTimes()
+
+    def stage(name: str):
+        print(f"\n== taps demo: {name} ({len(times.stages) + 1}/{5 if sweep else 4}) ==", flush=True)
+        return time.perf_counter()
+
+    started = stage("prepare target features")
+    target = TargetModel.load(cfg.target.model_copy(update={"device": "cpu"}))
+    print(summary_table(prepare_features(cfg, target=target)), flush=True)
+    times.stages["prepare"] = time.perf_counter() - started
+
+    started = stage(f"train {len(cfg.variants)} drafter variants concurrently")
+    summary = run_training(cfg, mode="resume", target=target)
+    print(train_table(summary), flush=True)
+    if summary.failed:
+        raise RuntimeError(f"training failed for {[r.variant for r in summary.failed]}; see the log above, then "
+                           f"rerun `make demo` (finished variants are kept)")
+    times.stages["train"] = time.perf_counter() - started
+
+    started = stage("evaluate strategies on the benchmarks")
+    out = run_eval(cfg, report=False)
+    times.stages["eval"] = time.perf_counter() - started
+
+    sweeps = []
+    if sweep:
+        started = stage("interpolation sweep (tau vs alpha)")
+        spec = load_spec(SWEEP_SPEC, None, [f"drafters.{role}={cfg.eval.drafters[role]}" for role in ("math", "chat")])
+        sweep_out = cfg.run_dir / "sweeps" / spec.name
+        done = (sweep_out / "results.csv").is_file()
+        if done:
+            print(f"taps demo: {sweep_out} holds a finished sweep; kept", flush=True)
+        else:
+            summary = run_sweep(spec, cfg, sweep_out, resume=(sweep_out / "tune").is_dir(), target=target)
+            print(sweep_report(summary), flush=True)
+        sweeps.append(sweep_out)
+        times.stages["sweep"] = time.perf_counter() - started
+
+    started = stage("report")
+    report = write_report(out, sweeps)
+    times.stages["report"] = time.perf_counter() - started
+    markdown = report.read_text()
+    print("\n" + _section(markdown, "Acceptance length tau"))
+    claims = [line for line in markdown.splitlines() if line[:1].isdigit() and "**" in line]
+    print("\nClaims (DESIGN.md section 10):\n" + "\n".join(claims))
+    print("\n" + times.table())
+    (out / "demo_times.json").write_text(json.dumps(times.stages, indent=1))
+    print(f"\nreport: {report}", flush=True)
+    return report
