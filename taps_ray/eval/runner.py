@@ -33,8 +33,9 @@ from taps_ray.config import EvalConfig, ExperimentConfig, SamplingConfig, Target
 from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, load_benchmark
 from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
 from taps_ray.models.target import TargetModel
-from taps_ray.spec.compose import build_strategy, parse_strategy
+from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
+from taps_ray.spec.strategy import parse_strategy
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from ray.serve.config import RequestRouterConfig
 from taps_ray.config import ConfigError, ExperimentConfig, apply_overrides, load_config
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
+from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.verifier import Verifier, resolve_plan
+from taps_ray.serving.verifier import Verifier
 
 log = logging.getLogger(__name__)
 

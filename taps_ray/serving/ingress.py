@@ -20,8 +20,8 @@ from taps_ray.config import SamplingConfig, ServeConfig
 from taps_ray.serving import metrics as serving_metrics
 from taps_ray.serving import protocol
 from taps_ray.serving.metrics import ServingMetrics
+from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
-from taps_ray.serving.verifier import DecodeRequest, resolve_plan
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
-from taps_ray.spec.compose import STRATEGY_NAMES, build_strategy
+from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.stats import StepRecord
+from taps_ray.spec.strategy import STRATEGY_NAMES
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
 from taps_ray.spec.verify import (
     Verdict,

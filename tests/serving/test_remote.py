@@ -12,8 +12,9 @@ import torch
 
 from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
+from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.verifier import RemoteStrategy, TextStream, resolve_plan, summarize
+from taps_ray.serving.verifier import RemoteStrategy, TextStream, summarize
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree

@@ -10,15 +10,9 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.compose import (
-    STRATEGY_NAMES,
-    MergedStrategy,
-    RoutedStrategy,
-    build_strategy,
-    parse_strategy,
-    tree_signal,
-)
+from taps_ray.spec.compose import MergedStrategy, RoutedStrategy, build_strategy, tree_signal
 from taps_ray.spec.decoder import SingleStrategy, generate, make_strategy
+from taps_ray.spec.strategy import STRATEGY_NAMES, parse_strategy
 from taps_ray.spec.tree import DrafterState, draft_tree
 from tests.conftest import make_tiny_target
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
