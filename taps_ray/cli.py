@@ -193,6 +193,9 @@ def _add_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafters", default=None, metavar="NAME=DIR,...",
                         help="drafter roles, e.g. math=runs/demo/drafters/hass-math,chat=runs/demo/drafters/hass-chat "
                              "(DIR may be random:SEED for an untrained drafter)")
+    parser.add_argument("--compose", default=None, metavar="NAME,...",
+                        help="the drafters averaged / routed / merged strategies combine, in order (default with "
+                             "--drafters: all of them; else the config's eval.compose)")
     parser.add_argument("--alphas", default=None, help="alpha grid of averaged:ALPHA runs, e.g. 0,0.25,0.5,0.75,1")
     parser.add_argument("--actors", type=int, default=None, help="Ray actors (0: run in this process)")
     parser.add_argument("--out", default=None, help="run folder (default: <output_dir>/<name>/eval)")
@@ -218,7 +221,12 @@ def _eval_overrides(args: argparse.Namespace) -> list[str]:
         if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
             raise UserError(f"--drafters must look like NAME=DIR,NAME=DIR, got {args.drafters!r}")
         given["drafters"] = dict(pairs)
-    return [f"eval.{k}={json.dumps(v)}" for k, v in given.items() if v is not None]
+    overrides = [f"eval.{k}={json.dumps(v)}" for k, v in given.items() if v is not None]
+    if args.compose:
+        overrides.append(f"eval.compose={json.dumps(items(args.compose))}")
+    elif args.drafters:
+        overrides.append("eval.compose=null")
+    return overrides
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -261,7 +269,8 @@ def _run_average(args: argparse.Namespace) -> int:
 
     from taps_ray.models.drafter import average_drafters
     from taps_ray.models.target import TargetModel
-    from taps_ray.spec.compose import StrategySpec, averaging_weights
+    from taps_ray.spec.compose import averaging_weights
+    from taps_ray.spec.strategy import StrategySpec
 
     if len(args.drafter) < 2:
         raise UserError(f"give at least two --drafter folders, got {len(args.drafter)}")
