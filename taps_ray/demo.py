@@ -98,7 +98,8 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     sweeps = []
     if sweep:
         started = stage("interpolation sweep (tau vs alpha)")
-        spec = load_spec(SWEEP_SPEC, None, [f"drafters.{role}={cfg.eval.drafters[role]}" for role in ("math", "chat")])
+        spec = load_spec(SWEEP_SPEC, None if full else "demo",
+                         [f"drafters.{role}={cfg.eval.drafters[role]}" for role in ("math", "chat")])
         sweep_out = cfg.run_dir / "sweeps" / spec.name
         done = (sweep_out / "results.csv").is_file()
         if done:
