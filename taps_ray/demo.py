@@ -4,8 +4,9 @@ prepare (target features, cached) -> train (every variant concurrently; finished
 kept) -> eval (the config's ``eval`` section: benchmarks x strategies over the trained drafters;
 finished records are kept) -> interpolation sweep (``tune/interpolation.yaml`` over the ``math``
 and ``chat`` drafters; a finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the
-sweep's plot). ``full`` applies :data:`FULL`: a separate run (``demo-full``) with more training
-and larger evaluation limits. Prints the tau table, the claims, each stage's wall time and the
+sweep's plot). ``full`` applies :data:`FULL`: a separate run (``demo-full``) whose math drafters
+learn from the target's own answers to the GSM8K-train questions (self-distillation), with more
+training and larger evaluation limits. Prints the tau table, the claims, each stage's wall time and the
 report's path.
 """
 
@@ -19,7 +20,12 @@ from pathlib import Path
 from taps_ray.config import ExperimentConfig, load_config
 
 SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
-FULL = ["name=demo-full", "train.epochs=3", "eval.limit=10", "eval.max_new_tokens=128"]
+FULL = [
+    "name=demo-full",
+    "data.datasets.math.alternatives=[{kind: gsm8k_train, limit: 320, seed: 0, regenerate: true}, "
+    "{kind: reasoning_gym, limit: 320, seed: 0, regenerate: true}]",
+    "train.epochs=4", "train.lr=1.0e-3", "eval.limit=10", "eval.max_new_tokens=96",
+]
 ROLES = {"math": "hass-math", "chat": "hass-chat", "mixed": "hass-mixed"}
 
 

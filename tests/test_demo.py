@@ -17,6 +17,8 @@ def test_demo_evaluates_this_runs_hass_drafters():
     full = demo_config(DEMO, ["eval.limit=4"], full=True)
     assert full.name == "demo-full" and full.eval.limit == 4 and full.train.epochs > cfg.train.epochs
     assert full.eval.drafters["math"].endswith("demo-full/drafters/hass-math")
+    assert all(a.regenerate for a in full.data.datasets["math"].alternatives), "full: math is self-distilled"
+    assert not any(a.regenerate for a in cfg.data.datasets["math"].alternatives)
 
 
 def test_demo_needs_the_hass_variants():
