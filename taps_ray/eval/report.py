@@ -543,6 +543,14 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
 SWEEPS_FILE = "sweeps.json"
 
 
+def _number(text: str):
+    """A CSV cell as a float when it is one (so tables format it), else the text."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
 def sweep_sections(out: Path, sweeps: list[str]) -> list[str]:
     """Markdown of each sweep folder's ``results.csv`` (evaluated trials) with its plot copied into
     ``out/plots`` as ``sweep-<name>.png``; a folder without results is named as missing."""
@@ -554,7 +562,7 @@ def sweep_sections(out: Path, sweeps: list[str]) -> list[str]:
             lines += [f"No `results.csv` in {folder}: the sweep has not finished.", ""]
             continue
         with results.open() as f:
-            rows = [r for r in csv.DictReader(f) if r.get("objective")]
+            rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f) if r.get("objective")]
         if rows:
             keys = [k for k in rows[0] if k in ("alpha", "weights", "ratio", "total")]
             taus = [k for k in rows[0] if k.startswith("tau/")]

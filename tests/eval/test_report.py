@@ -196,10 +196,10 @@ def test_report_includes_sweeps_and_remembers_them(tmp_path):
     unfinished = tmp_path / "mixture"
     assert main(["report", str(out), "--sweep", str(sweep), "--sweep", str(unfinished)]) == 0
     text = (out / "report.md").read_text()
-    assert "| 0.0 | 1.5 | 2.5 | 2.0 | 12.0 |" in text and "| 1.0 | 2.75 | 1.25 | 2.0 | 11.0 |" in text
-    assert "| 0.5 |" not in text, "a trial without an objective is not a result"
+    assert "| 0.00 | 1.50 | 2.50 | 2.00 | 12.00 |" in text and "| 1.00 | 2.75 | 1.25 | 2.00 | 11.00 |" in text
+    assert "| 0.50 |" not in text, "a trial without an objective is not a result"
     assert "![sweep-interpolation-tau_vs_alpha.png](plots/sweep-interpolation-tau_vs_alpha.png)" in text
     assert (out / "plots" / "sweep-interpolation-tau_vs_alpha.png").read_bytes() == b"\x89PNG fake"
     assert f"No `results.csv` in {unfinished}" in text
     write_report(out)
-    assert "| 1.0 | 2.75 | 1.25 | 2.0 | 11.0 |" in (out / "report.md").read_text(), "regeneration keeps the sweeps"
+    assert "| 1.00 | 2.75 | 1.25 | 2.00 | 11.00 |" in (out / "report.md").read_text(), "regeneration keeps the sweeps"
