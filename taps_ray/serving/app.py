@@ -24,6 +24,8 @@ from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.verifier import Verifier
 
 log = logging.getLogger(__name__)
+INTERNAL_LOGGING = {"enable_access_log": False}
+"""Drafter and Verifier calls happen every decoding step: no Serve access-log line for each."""
 
 SESSION_GRACE_S = 60.0
 
@@ -83,7 +85,7 @@ def application(cfg: ExperimentConfig):
         options: dict[str, Any] = dict(
             name=drafter_deployment_name(name), user_config=drafter_user_config(cfg, name),
             max_ongoing_requests=d.max_ongoing_requests, request_router_config=router, health_check_period_s=2.0,
-            ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+            ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus}, logging_config=INTERNAL_LOGGING,
         )
         if d.autoscaling:
             options["autoscaling_config"] = d.autoscaling
@@ -93,6 +95,7 @@ def application(cfg: ExperimentConfig):
     verifier = serve.deployment(Verifier).options(
         name="Verifier", num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
         ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus},
+        logging_config=INTERNAL_LOGGING,
     ).bind(target, tree, s.model_dump(), drafters)
     model_name = s.model_name or served_model_name(cfg.target.model)
     return serve.deployment(Ingress).options(
