@@ -43,6 +43,7 @@ import numpy as np
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_set
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
+from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.train.loop import DRAFTER_DIR, FAIL_ENV, train_loop_per_worker
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
 
@@ -261,18 +262,6 @@ def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> 
             for name, ids in sorted(rows.items()) if len(ids)}
 
 
-def quiet_ray_data() -> None:
-    import sys
-
-    import ray
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.print_on_execution_start = False
-    ctx.enable_operator_progress_bars = False
-    ctx.enable_progress_bars = sys.stderr.isatty()
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-
-
 def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     """(use GPUs, CPUs per CPU worker, torch threads per CPU worker) for the concurrent variants."""
     import ray
@@ -357,16 +346,12 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
 
 
 def _trainer_class():
-    """``TorchTrainer``; without a dashboard, one whose placement-group cleaner pings the controller
-    instead of asking the state API (see :mod:`taps_ray.train.placement`)."""
-    import ray
+    """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
+    state API, which needs a dashboard (see :mod:`taps_ray.train.placement`)."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     from taps_ray.train.placement import ReaperCallback
-
-    if ray._private.worker.get_dashboard_url():
-        return TorchTrainer
 
     class DrafterTrainer(TorchTrainer):
         def _create_default_callbacks(self):

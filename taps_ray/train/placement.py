@@ -5,7 +5,8 @@ controller actor that created it. When the controller dies without shutting down
 stopped by ASHA or failed kills its trial actor, which owns the controller), the group stays
 reserved until the job ends. Ray's own cleaner asks the state API, served by the dashboard,
 whether the controller lives; with ``include_dashboard=False`` (the local default here) it can
-never tell and the reservation leaks, starving the next trials. :class:`PlacementGroupReaper`
+never tell and the reservation leaks, starving the next trials. Every trainer here uses the
+reaper instead (a worker process cannot tell reliably whether the cluster has a dashboard). :class:`PlacementGroupReaper`
 is a detached actor that instead pings the controller and removes its groups once it is gone;
 :class:`ReaperCallback` starts one per run and registers each worker group with it.
 """
@@ -41,7 +42,8 @@ class PlacementGroupReaper:
             try:
                 await self.controller.__ray_ready__.remote()
             except ray.exceptions.RayActorError:
-                self._remove_groups()
+                if not self.stopped:
+                    self._remove_groups()
                 break
         ray.actor.exit_actor()
 
