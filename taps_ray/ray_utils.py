@@ -50,3 +50,16 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
         )
     log.info("ray cluster resources: %s", ray.cluster_resources())
     return ray
+
+
+def quiet_ray_data() -> None:
+    """Ray Data without per-operator progress bars or execution banners (the overall bar only on a TTY)."""
+    import sys
+
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.print_on_execution_start = False
+    ctx.enable_operator_progress_bars = False
+    ctx.enable_progress_bars = sys.stderr.isatty()
+    logging.getLogger("ray.data").setLevel(logging.WARNING)

@@ -24,6 +24,7 @@ import torch
 
 from taps_ray import artifacts
 from taps_ray.config import DatasetConfig, ExperimentConfig, RegenerationConfig, TargetConfig
+from taps_ray.ray_utils import quiet_ray_data
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def _num_actors(cfg: ExperimentConfig) -> int:
 def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], label: str = "") -> list[list[dict]]:
     import ray
 
-    _quiet_ray_data()
+    quiet_ray_data()
     regen = cfg.data.features.regeneration
     prompts = [[m for m in conv if m["role"] != "assistant"][:2] for conv in conversations]
     items = [{"row_id": i, "messages": json.dumps(p)} for i, p in enumerate(prompts)]
@@ -297,22 +298,10 @@ def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], label: s
     return [json.loads(r["messages"]) + [{"role": "assistant", "content": r["response"].strip()}] for r in rows]
 
 
-def _quiet_ray_data() -> None:
-    import sys
-
-    import ray
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.print_on_execution_start = False
-    ctx.enable_operator_progress_bars = False
-    ctx.enable_progress_bars = sys.stderr.isatty()
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-
-
 def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, label: str = "features") -> None:
     import ray
 
-    _quiet_ray_data()
+    quiet_ray_data()
     rows = sorted(rows, key=lambda r: len(r["input_ids"]))
     batch_rows = max(1, cfg.data.features.batch_tokens // cfg.data.features.max_len)
     import pyarrow as pa

@@ -109,7 +109,8 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     from ray import tune
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from taps_ray.train.launch import build_trainer, copy_final, plan_variants, quiet_ray_data
+    from taps_ray.ray_utils import quiet_ray_data
+    from taps_ray.train.launch import build_trainer, copy_final, plan_variants
 
     started = time.time()
     folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
