@@ -462,6 +462,8 @@ def run_sweep(spec: SweepSpec, cfg: ExperimentConfig, out: str | Path | None = N
     from ray import tune
 
     from taps_ray.ray_utils import init_ray
+    from taps_ray.train.launch import PLACEMENT_RECORD
+    from taps_ray.train.placement import reap_under, remove_recorded
 
     started = time.time()
     cfg = _absolute_target(cfg)
@@ -505,6 +507,9 @@ def run_sweep(spec: SweepSpec, cfg: ExperimentConfig, out: str | Path | None = N
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
         )
     grid = tuner.fit()
+    reaped = reap_under(str(out)) + remove_recorded(out / "trials", PLACEMENT_RECORD)
+    if reaped:
+        log.info("sweep %s: removed %d placement group(s) left by stopped or failed trials", spec.name, reaped)
     statuses = {t.trial_id: t.status for t in tune.ExperimentAnalysis(str(out / TUNE_DIR)).trials}
     summary = SweepSummary(spec.name, spec.kind, out, spec.objective.describe(), spec.domains, list(spec.search),
                            collect_rows(grid, statuses, out), time.time() - started,

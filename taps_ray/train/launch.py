@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "force"]
 FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
 CACHE_BYTES = 2 * 1024**3
+PLACEMENT_RECORD = "placement_groups.txt"
 READ_CPUS = 0.25
 
 
@@ -316,6 +317,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "heldout": heldout,
         "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
+        "placement_record": str(run_dir / "ray" / variant.name / PLACEMENT_RECORD),
         "threads": worker_threads,
         "fail_at_step": os.environ.get(FAIL_ENV),
         "meta": {

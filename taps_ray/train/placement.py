@@ -15,11 +15,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 log = logging.getLogger(__name__)
+NAMESPACE = "taps"
+
+
+def reaper_name(storage_path: str, run_id: str) -> str:
+    """Name of a run's reaper (namespace :data:`NAMESPACE`): its storage path makes a folder's runs findable."""
+    return f"pg-reaper:{storage_path}:{run_id}"
+
+
+def reap_under(folder: str) -> int:
+    """Remove the still reserved placement groups of every Train run stored under ``folder`` (e.g. a
+    sweep's trials once the sweep is over, whatever became of their controllers); returns how many."""
+    removed = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != NAMESPACE or not actor["name"].startswith(f"pg-reaper:{folder}"):
+            continue
+        try:
+            removed += ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).reap_now.remote(), timeout=30)
+        except (ray.exceptions.RayError, ValueError) as err:
+            log.debug("reaper %s gone: %s", actor["name"], err)
+    return removed
 
 
 class PlacementGroupReaper:
@@ -51,23 +72,35 @@ class PlacementGroupReaper:
         """The controller shuts down normally and removes its groups itself: exit without removing."""
         self.stopped = True
 
-    def _remove_groups(self) -> None:
+    def reap_now(self) -> int:
+        """Remove the groups now (the run is known to be over) and stop watching."""
+        self.stopped = True
+        return self._remove_groups()
+
+    def _remove_groups(self) -> int:
+        removed = 0
         for group in self.groups:
             if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
-                log.warning("Ray Train controller died; removing its placement group %s", group.id.hex())
+                log.warning("Ray Train run is over; removing its placement group %s", group.id.hex())
                 ray.util.remove_placement_group(group)
+                removed += 1
+        return removed
 
 
 class ReaperCallback(ControllerCallback, WorkerGroupCallback):
-    """Train controller callback: one :class:`PlacementGroupReaper` per run (stopped when the run
-    shuts down or aborts normally, since the controller then removes its groups itself)."""
+    """Train controller callback: one :class:`PlacementGroupReaper` per run, stopped when the run
+    shuts down normally (the controller then removes its groups itself). An aborted run (a Tune
+    trial stopped by its scheduler) keeps its reaper: the abort can be cut short when the trial
+    actor, which owns the controller, exits."""
 
     def __init__(self):
         self.reaper = None
 
     def after_controller_start(self, train_run_context) -> None:
         controller = ray.get_runtime_context().current_actor
-        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(lifetime="detached").remote(controller)
+        name = reaper_name(str(train_run_context.run_config.storage_path), train_run_context.run_id)
+        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(
+            lifetime="detached", name=name, namespace=NAMESPACE).remote(controller)
         self.reaper.watch.remote()
 
     def after_worker_group_start(self, worker_group) -> None:
@@ -78,9 +111,6 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
     async def before_controller_shutdown(self) -> None:
         self._stop()
 
-    def before_controller_abort(self) -> None:
-        self._stop()
-
     def _stop(self) -> None:
         if self.reaper is not None:
             try:
@@ -88,3 +118,20 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
             except (ray.exceptions.RayError, TimeoutError) as err:
                 log.warning("placement-group reaper did not stop cleanly: %s", err)
             self.reaper = None
+
+
+def remove_recorded(folder: Path, record: str) -> int:
+    """Remove the still reserved placement groups whose ids the runs under ``folder`` wrote to files
+    named ``record`` (see :func:`taps_ray.train.loop.record_placement_group`); returns how many."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    removed = 0
+    for path in Path(folder).rglob(record):
+        for line in path.read_text().split():
+            group = PlacementGroup(PlacementGroupID(bytes.fromhex(line)))
+            if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+                log.warning("removing placement group %s left by the Train run in %s", line, path.parent)
+                ray.util.remove_placement_group(group)
+                removed += 1
+    return removed

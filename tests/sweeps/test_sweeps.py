@@ -97,8 +97,9 @@ def test_mixture_sweep_trains_evaluates_and_picks_the_best(mixture, experiment, 
         assert first[stopped[0].trial_id] < first[survivor.trial_id]
         assert not (mixture.out / "trials" / stopped[0].trial_id / "drafter").exists()
     deadline = time.time() + 60
-    while any(pg["state"] != "REMOVED" for pg in ray_session.util.placement_group_table().values()):
-        assert time.time() < deadline, "a trial's placement groups outlived the sweep"
+    while left := [{k: pg.get(k) for k in ("name", "bundles", "state", "stats")}
+                   for pg in ray_session.util.placement_group_table().values() if pg["state"] != "REMOVED"]:
+        assert time.time() < deadline, f"placement groups outlived the sweep: {left}"
         time.sleep(1)
     assert mixture.best is max(ok, key=lambda r: r.objective)
     best = json.loads((mixture.out / "best.json").read_text())
