@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -ra
+	@$(PY) -m pytest -q -ra; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; \
+	exit $$status
 
 demo: setup
 	$(VENV)/bin/taps demo configs/demo.yaml $(if $(filter full,$(DEMO)),--full)
@@ -33,8 +35,12 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check taps_ray tests benchmarks
 
+# The demo's math drafter when `make demo` has trained it, else an untrained one.
+BENCH_DRAFTER ?= $(wildcard runs/demo/drafters/hass-math)
+
 bench: setup
-	$(PY) benchmarks/bench_decode.py configs/demo.yaml
+	$(PY) benchmarks/bench_decode.py configs/demo.yaml $(if $(BENCH_DRAFTER),--drafter $(BENCH_DRAFTER)) \
+		--sweep --sweep-total 4,8,16 --sweep-depth 1,2,3
 
 clean-venv:
 	rm -rf $(VENV)
