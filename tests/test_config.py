@@ -52,3 +52,13 @@ def test_missing_file_and_bad_override():
         load_config("nope.yaml")
     with pytest.raises(ConfigError, match="key.path=value"):
         load_config(None, ["tree.depth"])
+
+
+def test_unknown_source_kind_and_gsm_symbolic_are_rejected():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.datasets={m: {domain: math, alternatives: [{kind: sharegtp}]}}"])
+    message = str(err.value)
+    assert "kind" in message and "'sharegtp'" in message and "'sharegpt'" in message
+    with pytest.raises(ConfigError, match="gsm_symbolic.*GSM8K test"):
+        load_config(None, ["data.datasets={m: {domain: math, alternatives: "
+                           "[{kind: reasoning_gym, tasks: [basic_arithmetic, gsm_symbolic]}]}}"])
