@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from taps_ray.cli import _eval_overrides, build_parser
+import pytest
+
+from taps_ray.cli import _eval_overrides, build_parser, parse
 from taps_ray.config import load_config
 from tests.conftest import REPO
 
@@ -21,3 +23,12 @@ def test_drafters_flag_composes_the_given_drafters_unless_told_otherwise():
     assert cfg.eval.limit == 20
     cfg = _eval_config("--drafters", "x=a,y=b,z=c", "--compose", "z,x")
     assert cfg.eval.compose == ["z", "x"]
+
+
+def test_overrides_may_follow_the_flags_and_stray_arguments_are_rejected(capsys):
+    args = parse(["train", "configs/demo.yaml", "tree.depth=3", "--variants", "hass-math", "train.epochs=2"])
+    assert args.overrides == ["tree.depth=3", "train.epochs=2"] and args.variants == "hass-math"
+    for bad in (["train", "configs/demo.yaml", "--variants", "x", "stray"], ["train", "configs/demo.yaml", "--nope"]):
+        with pytest.raises(SystemExit) as err:
+            parse(bad)
+        assert err.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
