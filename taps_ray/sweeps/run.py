@@ -212,20 +212,16 @@ def _write_state(out: Path, spec: SweepSpec, cfg: ExperimentConfig) -> None:
 
 
 def _feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict:
-    from taps_ray.data.features import FeatureCacheError, load_feature_set
+    from taps_ray.data.features import FeatureCacheError, load_feature_sets
 
     unknown = sorted(required - set(cfg.data.datasets))
     if unknown:
         raise SweepError(f"the sweep names dataset(s) {unknown} that the experiment {cfg.name!r} does not define; "
                          f"datasets: {sorted(cfg.data.datasets)}")
-    sets = {}
-    for name in cfg.data.datasets:
-        try:
-            sets[name] = load_feature_set(cfg, name, fingerprint)
-        except FeatureCacheError as err:
-            if name in required:
-                raise SweepError(f"dataset {name!r}: {err}") from None
-    return sets
+    try:
+        return load_feature_sets(cfg, fingerprint, required)
+    except FeatureCacheError as err:
+        raise SweepError(str(err)) from None
 
 
 def _heldout_prompt(row: dict) -> list[int]:
@@ -462,8 +458,7 @@ def run_sweep(spec: SweepSpec, cfg: ExperimentConfig, out: str | Path | None = N
     from ray import tune
 
     from taps_ray.ray_utils import init_ray
-    from taps_ray.train.launch import PLACEMENT_RECORD
-    from taps_ray.train.placement import reap_under, remove_recorded
+    from taps_ray.train.placement import remove_recorded
 
     started = time.time()
     cfg = _absolute_target(cfg)
@@ -507,7 +502,7 @@ def run_sweep(spec: SweepSpec, cfg: ExperimentConfig, out: str | Path | None = N
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
         )
     grid = tuner.fit()
-    reaped = reap_under(str(out)) + remove_recorded(out / "trials", PLACEMENT_RECORD)
+    reaped = remove_recorded(out / "trials")
     if reaped:
         log.info("sweep %s: removed %d placement group(s) left by stopped or failed trials", spec.name, reaped)
     statuses = {t.trial_id: t.status for t in tune.ExperimentAnalysis(str(out / TUNE_DIR)).trials}

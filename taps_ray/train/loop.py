@@ -325,18 +325,6 @@ def _quiet_report_logs() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-def record_placement_group(path: Path) -> None:
-    """Append this worker group's placement group id to ``path`` (one line per attempt), so a sweep
-    can free the reservation of a trial whose controller never shut down."""
-    import ray
-
-    group = ray.util.get_current_placement_group()
-    if group is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(group.id.hex() + "\n")
-
-
 def train_loop_per_worker(config: dict) -> dict:
     """Train one drafter variant on this worker's shard (see module docstring); returns the
     final metrics on rank 0."""
@@ -389,8 +377,6 @@ def train_loop_per_worker(config: dict) -> dict:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
     heldout = heldout_rows(_resolve(config.get("heldout")), hidden_size)
     pooled = list(config.get("datasets") or [])
-    if rank == 0 and config.get("placement_record"):
-        record_placement_group(Path(config["placement_record"]))
     shard = ShardRows(ray.train.get_dataset_shard("train"), bool(config.get("cache_rows", False)))
 
     def extra(final: bool) -> dict:

@@ -6,9 +6,12 @@ stopped by ASHA or failed kills its trial actor, which owns the controller), the
 reserved until the job ends. Ray's own cleaner asks the state API, served by the dashboard,
 whether the controller lives; with ``include_dashboard=False`` (the local default here) it can
 never tell and the reservation leaks, starving the next trials. Every trainer here uses the
-reaper instead (a worker process cannot tell reliably whether the cluster has a dashboard). :class:`PlacementGroupReaper`
-is a detached actor that instead pings the controller and removes its groups once it is gone;
-:class:`ReaperCallback` starts one per run and registers each worker group with it.
+reaper instead (a worker process cannot tell reliably whether the cluster has a dashboard).
+:class:`PlacementGroupReaper` is a detached actor that pings the controller and removes its groups
+once it is gone; :class:`ReaperCallback` starts one per run, registers each worker group with it and
+records the group's id in the run's folder. A controller whose abort is cut short can leave its
+group behind while the reaper still sees it alive, so whoever knows the runs are over (a sweep)
+calls :func:`remove_recorded` on their folder.
 """
 
 from __future__ import annotations
@@ -21,26 +24,8 @@ import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 log = logging.getLogger(__name__)
-NAMESPACE = "taps"
-
-
-def reaper_name(storage_path: str, run_id: str) -> str:
-    """Name of a run's reaper (namespace :data:`NAMESPACE`): its storage path makes a folder's runs findable."""
-    return f"pg-reaper:{storage_path}:{run_id}"
-
-
-def reap_under(folder: str) -> int:
-    """Remove the still reserved placement groups of every Train run stored under ``folder`` (e.g. a
-    sweep's trials once the sweep is over, whatever became of their controllers); returns how many."""
-    removed = 0
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] != NAMESPACE or not actor["name"].startswith(f"pg-reaper:{folder}"):
-            continue
-        try:
-            removed += ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).reap_now.remote(), timeout=30)
-        except (ray.exceptions.RayError, ValueError) as err:
-            log.debug("reaper %s gone: %s", actor["name"], err)
-    return removed
+RECORD = "placement_groups.txt"
+"""One line per worker group (attempt) of a run: its placement group id, in ``<storage_path>/<run name>/``."""
 
 
 class PlacementGroupReaper:
@@ -72,11 +57,6 @@ class PlacementGroupReaper:
         """The controller shuts down normally and removes its groups itself: exit without removing."""
         self.stopped = True
 
-    def reap_now(self) -> int:
-        """Remove the groups now (the run is known to be over) and stop watching."""
-        self.stopped = True
-        return self._remove_groups()
-
     def _remove_groups(self) -> int:
         removed = 0
         for group in self.groups:
@@ -91,21 +71,28 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
     """Train controller callback: one :class:`PlacementGroupReaper` per run, stopped when the run
     shuts down normally (the controller then removes its groups itself). An aborted run (a Tune
     trial stopped by its scheduler) keeps its reaper: the abort can be cut short when the trial
-    actor, which owns the controller, exits."""
+    actor, which owns the controller, exits. Each worker group's id is appended to the run's
+    :data:`RECORD` file as soon as the group exists."""
 
     def __init__(self):
         self.reaper = None
+        self.record: Path | None = None
 
     def after_controller_start(self, train_run_context) -> None:
         controller = ray.get_runtime_context().current_actor
-        name = reaper_name(str(train_run_context.run_config.storage_path), train_run_context.run_id)
-        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(
-            lifetime="detached", name=name, namespace=NAMESPACE).remote(controller)
+        config = train_run_context.run_config
+        if "://" not in str(config.storage_path):
+            self.record = Path(config.storage_path) / config.name / RECORD
+        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(lifetime="detached").remote(controller)
         self.reaper.watch.remote()
 
     def after_worker_group_start(self, worker_group) -> None:
+        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        if self.record is not None:
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            with self.record.open("a") as f:
+                f.write(group.id.hex() + "\n")
         if self.reaper is not None:
-            group = worker_group.get_worker_group_state().placement_group_handle.placement_group
             ray.get(self.reaper.register.remote(group))
 
     async def before_controller_shutdown(self) -> None:
@@ -120,14 +107,14 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
             self.reaper = None
 
 
-def remove_recorded(folder: Path, record: str) -> int:
-    """Remove the still reserved placement groups whose ids the runs under ``folder`` wrote to files
-    named ``record`` (see :func:`taps_ray.train.loop.record_placement_group`); returns how many."""
+def remove_recorded(folder: Path) -> int:
+    """Remove the still reserved placement groups whose ids the runs stored under ``folder`` recorded
+    (their :data:`RECORD` files); returns how many. Call it only once those runs are over."""
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
     removed = 0
-    for path in Path(folder).rglob(record):
+    for path in Path(folder).rglob(RECORD):
         for line in path.read_text().split():
             group = PlacementGroup(PlacementGroupID(bytes.fromhex(line)))
             if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):

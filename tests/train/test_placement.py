@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from taps_ray.train.placement import NAMESPACE, PlacementGroupReaper, reap_under, reaper_name
+from taps_ray.train.placement import RECORD, PlacementGroupReaper, remove_recorded
 
 
 @ray.remote(num_cpus=0)
@@ -46,21 +46,16 @@ def test_group_of_a_killed_controller_is_removed_and_a_live_one_is_kept(ray_sess
     ray.util.remove_placement_group(alive_group)
 
 
-def test_reap_under_frees_the_groups_of_runs_stored_in_a_folder_even_with_live_controllers(ray_session):
-    made = {}
-    for folder in ("/sweep/a/trials/t1/ray", "/other/ray"):
-        controller = Controller.remote()
-        group = ray.get(controller.reserve.remote())
-        reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(
-            lifetime="detached", name=reaper_name(folder, "run0"), namespace=NAMESPACE).remote(controller, 0.2)
-        ray.get(reaper.register.remote(group))
-        reaper.watch.remote()
-        made[folder] = (controller, group, reaper)
-    assert reap_under("/sweep/a") == 1
-    assert _state(made["/sweep/a/trials/t1/ray"][1]) == "REMOVED"
-    assert _state(made["/other/ray"][1]) == "CREATED", "runs stored elsewhere are left alone"
-    _, group, reaper = made["/other/ray"]
-    ray.get(reaper.stop.remote())
-    ray.util.remove_placement_group(group)
-    for controller, _, _ in made.values():
-        ray.kill(controller)
+def test_remove_recorded_frees_the_recorded_groups_under_a_folder_only(ray_session, tmp_path):
+    controller = Controller.remote()
+    groups = {name: ray.get(controller.reserve.remote()) for name in ("trial", "done", "elsewhere")}
+    ray.util.remove_placement_group(groups["done"])
+    for folder, names in (("sweep/trials/t1/ray/v", ["trial", "done"]), ("other/ray/v", ["elsewhere"])):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / RECORD).write_text("".join(groups[n].id.hex() + "\n" for n in names))
+    assert remove_recorded(tmp_path / "sweep") == 1
+    assert _state(groups["trial"]) == "REMOVED" and _state(groups["done"]) == "REMOVED"
+    assert _state(groups["elsewhere"]) == "CREATED", "runs stored elsewhere are left alone"
+    assert remove_recorded(tmp_path / "sweep") == 0
+    ray.util.remove_placement_group(groups["elsewhere"])
+    ray.kill(controller)
