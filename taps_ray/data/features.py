@@ -165,6 +165,20 @@ def load_feature_set(cfg: ExperimentConfig, name: str, fingerprint: dict) -> Fea
     return open_feature_set(feature_set_path(cfg, name, fingerprint), fingerprint, name)
 
 
+def load_feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict[str, FeatureSet]:
+    """Prepared feature sets: every ``required`` dataset (:class:`FeatureCacheError` naming the first
+    that is not prepared), plus any other prepared one (for held-out metrics)."""
+    sets = {}
+    for name in cfg.data.datasets:
+        try:
+            sets[name] = load_feature_set(cfg, name, fingerprint)
+        except FeatureCacheError as err:
+            if name in required:
+                raise FeatureCacheError(f"dataset {name!r}: {err}") from None
+            log.info("dataset %s has no prepared features: left out of held-out metrics", name)
+    return sets
+
+
 class _TargetActor:
     """Ray Data callable class holding one target model (loaded once per actor); prints its progress
     (``label``: rows done of ``total_rows``, tokens, tokens/s) at every tenth of ``total_rows``."""
@@ -258,6 +272,7 @@ class PrepareResult:
     seconds: float
     skipped: dict = field(default_factory=dict)
     regenerated: int = 0
+    truncated: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -333,7 +348,8 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
         fs = open_feature_set(final, fingerprint, name)
         m = fs.manifest
         return PrepareResult(name, str(final), True, m["origin"], m["rows"], m["tokens"], m["loss_tokens"],
-                             m["megabytes"], m["seconds"], m.get("skipped", {}), m.get("regenerated", 0))
+                             m["megabytes"], m["seconds"], m.get("skipped", {}), m.get("regenerated", 0),
+                             m.get("truncated", 0))
     start = time.perf_counter()
     source = load_dataset_alternatives(cfg.data.datasets[name])
     conversations = source.conversations
@@ -376,7 +392,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, final / MANIFEST)
     return PrepareResult(name, str(final), False, source.origin, len(rows), tokens, manifest["loss_tokens"],
-                         manifest["megabytes"], round(seconds, 2), skipped, regenerated)
+                         manifest["megabytes"], round(seconds, 2), skipped, regenerated, truncated)
 
 
 def prepare_features(cfg: ExperimentConfig, names: list[str] | None = None, target=None) -> list[PrepareResult]:
@@ -397,12 +413,13 @@ def prepare_features(cfg: ExperimentConfig, names: list[str] | None = None, targ
 
 
 def summary_table(results: list[PrepareResult]) -> str:
-    header = "| dataset | cache | origin | rows | tokens | loss tokens | MB | s | tokens/s |\n|---|---|---|---|---|---|---|---|---|"
+    header = ("| dataset | cache | origin | rows | tokens | loss tokens | truncated | skipped | MB | s | tokens/s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [header]
     for r in results:
         lines.append(
             f"| {r.dataset} | {'hit' if r.cache_hit else 'computed'} | {r.origin} | {r.rows} | {r.tokens} | "
-            f"{r.loss_tokens} | {r.megabytes} | {r.seconds if not r.cache_hit else 0} | "
-            f"{r.tokens_per_s:.0f} |"
+            f"{r.loss_tokens} | {r.truncated} | {sum(r.skipped.values())} | {r.megabytes} | "
+            f"{r.seconds if not r.cache_hit else 0} | {r.tokens_per_s:.0f} |"
         )
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
-from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_set
+from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_sets
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.train.loop import DRAFTER_DIR, FAIL_ENV, train_loop_per_worker
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "force"]
 FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
 CACHE_BYTES = 2 * 1024**3
-PLACEMENT_RECORD = "placement_groups.txt"
 READ_CPUS = 0.25
 
 
@@ -174,19 +173,6 @@ def _prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[Varian
         record_path.write_text(json.dumps(record, indent=1))
         todo.append(variant)
     return todo
-
-
-def _feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict[str, FeatureSet]:
-    """Prepared feature sets: every required dataset, plus any other prepared one (for held-out)."""
-    sets = {}
-    for name in cfg.data.datasets:
-        try:
-            sets[name] = load_feature_set(cfg, name, fingerprint)
-        except FeatureCacheError as err:
-            if name in required:
-                raise TrainLaunchError(f"dataset {name!r}: {err}") from None
-            log.info("held-out metrics skip dataset %s (features not prepared)", name)
-    return sets
 
 
 def _row_tokens(fs: FeatureSet, row_ids: np.ndarray) -> int:
@@ -317,7 +303,6 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "heldout": heldout,
         "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
-        "placement_record": str(run_dir / "ray" / variant.name / PLACEMENT_RECORD),
         "threads": worker_threads,
         "fail_at_step": os.environ.get(FAIL_ENV),
         "meta": {
@@ -391,7 +376,10 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
     target = target or _load_target(cfg)
     fingerprint = target.fingerprint.to_dict()
     required = {d for v in variants for d in cfg.mixtures[v.mixture].ratio or cfg.mixtures[v.mixture].counts or {}}
-    sets = _feature_sets(cfg, fingerprint, required)
+    try:
+        sets = load_feature_sets(cfg, fingerprint, required)
+    except FeatureCacheError as err:
+        raise TrainLaunchError(str(err)) from None
     plans = plan_variants(cfg, variants, sets, target.vocab_size, target.eos_token_ids)
     todo = {v.name for v in _prepare_outputs(cfg, run_dir, variants, mode)}
     plans = [p for p in plans if p.variant.name in todo]

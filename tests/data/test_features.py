@@ -13,6 +13,7 @@ from taps_ray.data.features import (
     load_feature_set,
     open_feature_set,
     prepare_features,
+    summary_table,
     tokenize_conversation,
 )
 
@@ -83,7 +84,12 @@ def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_t
     cfg = _tiny_config(tmp_path, rows)
     first = prepare_features(cfg, target=embedded_target)[0]
     assert not first.cache_hit and first.rows == 5
-    assert first.tokens == sum(min(48, len(embedded_target.encode_chat(r["messages"], False)[0])) for r in rows[:5])
+    lengths = [len(embedded_target.encode_chat(r["messages"], False)[0]) for r in rows[:5]]
+    assert first.tokens == sum(min(48, n) for n in lengths)
+    assert first.truncated == sum(n > 48 for n in lengths) > 0
+    assert sum(first.skipped.values()) >= 1
+    table = summary_table([first])
+    assert f"| {first.truncated} |" in table
     fs = load_feature_set(cfg, "chat", embedded_target.fingerprint.to_dict())
     decoded = {r["row_id"]: r for r in fs.read_rows()}
     assert len(decoded) == 5 and len(fs.shard_paths()) >= 2
@@ -94,6 +100,7 @@ def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_t
     assert sorted(r["row_id"] for r in subset) == [1, 3]
     second = prepare_features(cfg, target=embedded_target)[0]
     assert second.cache_hit and second.rows == first.rows and second.path == first.path
+    assert second.truncated == first.truncated
 
 
 def test_incomplete_or_foreign_cache_is_rejected(tmp_path):
