@@ -8,7 +8,7 @@ load on a shared machine barely inflates when torch runs one thread (with more t
 sums over them). Speedups are ratios to ``vanilla``; ``match`` is the share of prompts whose greedy
 output equals vanilla token for token. The optional sweep varies ``total_tokens`` and ``depth``
 and reports the break-even tau (spec step CPU time / vanilla step CPU time): a tree pays only
-where the drafter's tau exceeds it.
+where the drafter's tau exceeds it; :func:`pick_tree` names the fastest tree for this drafter here.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class BenchReport:
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "methods": [asdict(m) for m in self.methods], "sweep": self.sweep,
-                "outputs": self.outputs}
+                "picked_tree": pick_tree(self.sweep), "outputs": self.outputs}
 
     def to_markdown(self) -> str:
         s = self.settings
@@ -178,7 +178,17 @@ class BenchReport:
                              f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['cpu_speedup']:.2f}x | "
                              f"{row['draft_ms']:.1f} | {row['verify_ms']:.1f} | {row['vanilla_ms']:.1f} | "
                              f"{row['break_even_tau']:.2f} |")
+            best = pick_tree(self.sweep)
+            lines += ["", f"Fastest tree for this drafter here: `tree.depth={best['depth']} tree.top_k={best['top_k']} "
+                          f"tree.total_tokens={best['total_tokens']}` (CPU speedup {best['cpu_speedup']:.2f}x, tau "
+                          f"{_fmt(best['tau'])}, break-even tau {best['break_even_tau']:.2f})."]
         return "\n".join(lines) + "\n"
+
+
+def pick_tree(sweep: list[dict]) -> dict | None:
+    """The sweep row with the highest CPU speedup over vanilla (this drafter's tau against this
+    machine's step costs); None for an empty sweep."""
+    return max(sweep, key=lambda row: row["cpu_speedup"], default=None)
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -292,6 +302,8 @@ def write_report(report: BenchReport, out_dir: str | Path) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "bench.json", out / "bench.md"
-    json_path.write_text(json.dumps(report.to_dict(), indent=1, default=str))
-    md_path.write_text(report.to_markdown())
+    for path, text in ((json_path, json.dumps(report.to_dict(), indent=1, default=str)), (md_path, report.to_markdown())):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return json_path, md_path

@@ -36,7 +36,11 @@ def test_bench_tiny_target(tmp_path, one_thread):
     assert rows["hf-prompt-lookup"].tau >= 1.0 and rows["spec"].steps >= 2
     assert [(r["depth"], r["total_tokens"]) for r in report.sweep] == [(1, 4), (1, 8)]
     assert all(r["break_even_tau"] > 0 and r["vanilla_ms"] > 0 for r in report.sweep)
+    best = max(report.sweep, key=lambda r: r["cpu_speedup"])
     json_path, md_path = write_report(report, tmp_path / "bench")
-    assert json.loads(json_path.read_text())["outputs"]["spec"] == report.outputs["vanilla"]
+    written = json.loads(json_path.read_text())
+    assert written["outputs"]["spec"] == report.outputs["vanilla"] and written["picked_tree"] == best
+    assert sorted(p.name for p in json_path.parent.iterdir()) == ["bench.json", "bench.md"]
     markdown = md_path.read_text()
     assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
+    assert f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']}" in markdown
