@@ -76,7 +76,8 @@ class DraftSessions:
         """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
         request ``rid`` and draft a tree rooted at the last token.
 
-        Returns ``{"tree": DraftTree, "held": pairs held, "compute_s": drafting seconds}``; ``{"need": held}`` when the session holds
+        Returns ``{"tree": DraftTree, "held": pairs held, "compute_s": seconds spent adding the pairs and
+        drafting}``; ``{"need": held}`` when the session holds
         fewer than ``offset`` pairs (resend from ``held``); ``{"superseded": True, "held": held}``
         when a newer call of the same request is already waiting (its pairs are kept, no tree is
         drafted for a step the verifier has given up on).
@@ -97,6 +98,7 @@ class DraftSessions:
             if session.held < offset:
                 self.resends += 1
                 return {"need": session.held}
+            start = time.perf_counter()
             try:
                 if upto > session.held:
                     skip = session.held - offset
@@ -104,7 +106,6 @@ class DraftSessions:
                     session.held = upto
                 if upto < session.wanted or upto < session.held:
                     return {"superseded": True, "held": session.held}
-                start = time.perf_counter()
                 if session.tree_at != upto:
                     session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree)
                     session.tree_at = upto
@@ -166,8 +167,7 @@ class Drafter:
     """
 
     def __init__(self, name: str, target: dict, tree: dict, ttl_s: float = 300.0, threads: int | None = 1):
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
         self.name = name
         self.target = drafting_view(TargetModel.load(TargetConfig(**target)))
         self.tree = TreeConfig(**tree)
@@ -195,6 +195,8 @@ class Drafter:
             time.sleep(self.delay_s)
         if self.fault == "raise":
             raise DrafterFault(f"drafter {self.name}: injected fault")
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         return self.sessions.propose(rid, offset, tokens, features)
 
     def end(self, rid: str) -> bool:

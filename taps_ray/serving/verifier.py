@@ -81,7 +81,7 @@ class StopGeneration(Exception):
 @dataclass
 class StepInfo:
     """What the strategy saw in one step: the tree size verified (1: plain), who answered, who was
-    skipped and why, the route taken, the slowest answering drafter's drafting seconds;
+    skipped and why, the route taken, the slowest answering drafter's compute seconds;
     ``accepted`` is filled by ``advance``."""
 
     tree_size: int = 1
@@ -351,7 +351,8 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
     """The response's ``taps`` block (and what the metrics count). ``records`` (the loop's step
     records, when it ran to the end) give the accepted and appended counts and the time spent
     waiting for drafts (``draft_s``: calls, transfer and drafting; ``drafter_compute_s`` of it was
-    drafting) and verifying (``verify_s``); else ``steps`` give the counts."""
+    the drafters' own work: adding the accepted pairs and drafting) and verifying (``verify_s``);
+    else ``steps`` give the counts."""
     if records is not None:
         accepted, appended = [r.accepted for r in records], [r.appended for r in records]
     else:
@@ -393,11 +394,12 @@ class Verifier:
         self.tree = TreeConfig(**tree)
         self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
         self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
-
+        self.active = 0
+        self._active_lock = threading.Lock()
     def info(self) -> dict:
-        """The target, its context length, the drafters, this replica's pid and resident memory."""
+        """The target, its context length, the drafters, this replica's pid, resident memory and requests in flight."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
-                "pid": os.getpid(), "rss_bytes": rss_bytes()}
+                "pid": os.getpid(), "rss_bytes": rss_bytes(), "active": self.active}
 
     async def generate(self, request: DecodeRequest):
         loop = asyncio.get_running_loop()
@@ -419,6 +421,8 @@ class Verifier:
 
     def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None) -> None:
         """Run one request to completion, reporting through ``emit`` (never raises)."""
+        with self._active_lock:
+            self.active += 1
         try:
             self._decode(request, emit, cancel)
         except RequestError as err:
@@ -428,6 +432,9 @@ class Verifier:
             log.exception("request %s failed", request.rid)
             emit({"type": "error", "status": 500, "message": f"internal error: {err}", "param": None,
                   "code": None, "error_type": "server_error"})
+        finally:
+            with self._active_lock:
+                self.active -= 1
 
     def _decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None) -> None:
         target, clients = self.target, self.clients

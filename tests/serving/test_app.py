@@ -173,6 +173,7 @@ def test_concurrent_requests_are_isolated(client, reference):
     assert [results.get(i) for i in range(len(PROMPTS))] == [reference[p].text for p in PROMPTS]
     sessions = [_drafter(n).stats.remote().result(timeout_s=30)["sessions"] for n in ("a", "b")]
     assert sessions == [0, 0], "finished requests must free their drafting sessions"
+    assert serve.get_deployment_handle("Verifier", APP).info.remote().result(timeout_s=30)["active"] == 0
 
 
 CHAT = "/v1/chat/completions"
