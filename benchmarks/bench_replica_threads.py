@@ -30,16 +30,13 @@ class Decoder:
 
     def __init__(self, config: str, overrides: list[str]):
         from taps_ray.config import load_config
-        from taps_ray.models.drafter import DraftHead
         from taps_ray.models.target import TargetModel
-        from taps_ray.spec.decoder import SingleStrategy
+        from taps_ray.spec.decoder import SingleStrategy, load_drafter
 
         cfg = load_config(config, overrides)
         self.target = TargetModel.load(cfg.target)
         served = next(iter(cfg.serve.drafters.values()))
-        drafter = (DraftHead.load(served.checkpoint, self.target.config, self.target.fingerprint) if served.checkpoint
-                   else DraftHead(self.target.config, seed=served.seed)).eval()
-        self.strategy = SingleStrategy(drafter, cfg.tree)
+        self.strategy = SingleStrategy(load_drafter(self.target, served.checkpoint, served.seed), cfg.tree)
 
     def measure(self, threads: int, worker_thread: bool, prompts: list[str], max_tokens: int) -> dict:
         out: dict = {}

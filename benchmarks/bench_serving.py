@@ -43,18 +43,15 @@ class InProcess:
     """Greedy decoding with ``strategy`` over the config's served drafters, in this process."""
 
     def __init__(self, cfg, strategy: str):
-        from taps_ray.models.drafter import DraftHead
         from taps_ray.models.target import TargetModel
+        from taps_ray.serving.app import drafter_user_config
+        from taps_ray.serving.drafter import build_drafter
         from taps_ray.serving.plan import resolve_plan
         from taps_ray.spec.compose import build_strategy
 
         self.target = TargetModel.load(cfg.target)
         plan = resolve_plan(strategy, None, cfg.serve)
-        heads = {}
-        for name in plan.drafters:
-            d = cfg.serve.drafters[name]
-            heads[name] = (DraftHead.load(d.checkpoint, self.target.config, self.target.fingerprint) if d.checkpoint
-                           else DraftHead(self.target.config, seed=d.seed)).eval()
+        heads = {name: build_drafter(self.target, drafter_user_config(cfg, name), name) for name in plan.drafters}
         self.decoder = build_strategy(plan.spec, heads, cfg.tree, probe_steps=cfg.serve.route_probe_steps,
                                       recheck_every=cfg.serve.route_recheck_every)
         self.run([PROMPTS[0]], 8)

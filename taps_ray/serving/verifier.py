@@ -396,6 +396,7 @@ class Verifier:
         self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
         self.active = 0
         self._active_lock = threading.Lock()
+
     def info(self) -> dict:
         """The target, its context length, the drafters, this replica's pid, resident memory and requests in flight."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),

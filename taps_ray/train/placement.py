@@ -57,14 +57,9 @@ class PlacementGroupReaper:
         """The controller shuts down normally and removes its groups itself: exit without removing."""
         self.stopped = True
 
-    def _remove_groups(self) -> int:
-        removed = 0
+    def _remove_groups(self) -> None:
         for group in self.groups:
-            if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
-                log.warning("Ray Train run is over; removing its placement group %s", group.id.hex())
-                ray.util.remove_placement_group(group)
-                removed += 1
-        return removed
+            remove_if_reserved(group, "its Ray Train controller is gone")
 
 
 class ReaperCallback(ControllerCallback, WorkerGroupCallback):
@@ -117,8 +112,14 @@ def remove_recorded(folder: Path) -> int:
     for path in Path(folder).rglob(RECORD):
         for line in path.read_text().split():
             group = PlacementGroup(PlacementGroupID(bytes.fromhex(line)))
-            if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
-                log.warning("removing placement group %s left by the Train run in %s", line, path.parent)
-                ray.util.remove_placement_group(group)
-                removed += 1
+            removed += remove_if_reserved(group, f"left by the Train run in {path.parent}")
     return removed
+
+
+def remove_if_reserved(group, why: str) -> bool:
+    """Remove ``group`` unless it is already gone (logging ``why``); True when it was removed."""
+    if ray.util.placement_group_table(group).get("state") in (None, "REMOVED"):
+        return False
+    log.warning("removing placement group %s: %s", group.id.hex(), why)
+    ray.util.remove_placement_group(group)
+    return True
