@@ -5,9 +5,11 @@ tau = appended tokens / steps over a benchmark's questions (micro; ``tau_q`` is 
 per-question tau), the average column is the mean over benchmarks (paper Table 1). Per-depth
 acceptance at depth d = share of steps with accepted length >= d among those with >= d - 1. A
 question is routed to the drafter that verified most of its steps. Speedup = tokens/s of a
-strategy / tokens/s of vanilla on the same questions of the same run. The claims of DESIGN.md
-section 10 are evaluated at temperature 0 from these tables; drafter roles are the names ``math``,
-``chat`` and ``mixed``; a claim whose inputs are missing is "not measured".
+strategy / tokens/s of vanilla on the same questions of the same run. The eight claims of the TAPS
+paper (:data:`CLAIMS`; docs/DESIGN.md, "Claims the report checks") are evaluated at temperature 0
+from these tables; drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose
+inputs are missing is "not measured". Each claim line of the report states the claim in words, its
+status and the numbers behind it (:func:`claim_line`), so the report reads on its own.
 """
 
 from __future__ import annotations
@@ -242,17 +244,29 @@ def _claim(number: int, text: str, status: str, evidence: str) -> dict:
 
 
 CLAIMS = {
-    1: "The math-trained drafter has higher tau than the chat-trained one on GSM8K, MATH-500, SVAMP; "
+    1: "The math-trained drafter has a higher tau than the chat-trained one on GSM8K, MATH-500 and SVAMP; "
        "the chat-trained one is higher on MT-Bench.",
-    2: "A mixed-data drafter is more robust (best or near-best average) than either specialist.",
-    3: "Weight averaging of the two specialists is worse than either specialist on average.",
-    4: "Confidence routing beats the best single specialist on average.",
-    5: "Merged-tree verification has the highest average tau.",
+    2: f"A drafter trained on mixed math and chat data is robust: its average tau is the best, or within "
+       f"{NEAR_BEST:.0%} of the best, of the mixed, math and chat drafters.",
+    3: "Averaging the weights of the math and chat drafters (alpha = 0.5) gives a lower average tau than "
+       "either of them.",
+    4: "Routing by draft confidence (verifying the tree of the drafter whose draft is more confident) gives a "
+       "higher average tau than the better of the two single drafters.",
+    5: "Verifying the merged trees of the two drafters gives the highest average tau of all strategies.",
     6: "Confidence routing sends most math questions to the math drafter and most MT-Bench questions to the "
        "chat drafter; entropy routing separates them less clearly.",
-    7: "Rejected draft tokens have higher entropy than accepted ones.",
-    8: "Acceptance rate declines with depth.",
+    7: "Rejected draft tokens have a higher draft entropy than accepted ones.",
+    8: "The acceptance rate declines with draft depth (share of steps accepting depth d among those that "
+       "accepted depth d - 1).",
 }
+"""The claims of the TAPS paper the report checks, as measured here (docs/DESIGN.md, "Claims the report checks")."""
+
+
+def claim_line(claim: dict, bold: bool = True) -> str:
+    """``N. <the claim> — **<status>** (<numbers>)``: one self-contained line of the report (``bold``: the
+    status in markdown bold) and of the ``taps demo`` printout (plain)."""
+    status = f"**{claim['status']}**" if bold else claim["status"]
+    return f"{claim['id']}. {claim['claim']} — {status} ({claim['evidence']})"
 
 
 def _pick(taus: _Taus, *candidates: str) -> str | None:
@@ -275,7 +289,7 @@ def _separation(routing: list[dict], strategy: str) -> tuple[float, float, str] 
 
 
 def evaluate_claims(tables: dict, data: Records) -> list[dict]:
-    """Each claim of DESIGN.md section 10 as holds / does not hold / not measured, with its numbers (T = 0)."""
+    """Each of :data:`CLAIMS` as holds / does not hold / not measured, with its numbers (T = 0)."""
     taus = _Taus(tables["tau"], data.benchmarks)
     out = []
     m, c, x = "single:math", "single:chat", "single:mixed"
@@ -290,7 +304,7 @@ def evaluate_claims(tables: dict, data: Records) -> list[dict]:
         evidence = "; ".join(f"{b}: math {_f(taus.by[m][b])} vs chat {_f(taus.by[c][b])}" for b in benches)
         missing = [b for b in BENCHMARK_ORDER if b not in benches]
         if missing:
-            evidence += f" (not measured: {', '.join(missing)})"
+            evidence += f"; not measured: {', '.join(missing)}"
         status = MISSING if not math_b or not chat_b else HOLDS if all(checks) else FAILS
         out.append(_claim(1, CLAIMS[1], status, evidence))
 
@@ -534,9 +548,10 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
                                             "union_size", "draft_ms_per_step", "verify_ms_per_step",
                                             "same_output_as_vanilla"]), ""]
         lines += [f"![{p}](plots/{p})" for p in plots if p.endswith(f"T{t:g}.png")] + [""]
-    lines += ["## Claims (DESIGN.md section 10, measured at T=0)", ""]
-    for claim in tables["claims"]:
-        lines += [f"{claim['id']}. **{claim['status']}** — {claim['claim']}  ", f"   {claim['evidence']}", ""]
+    lines += ["## Claims of the TAPS paper, measured here at T=0", "",
+              "Each line: the claim, whether it holds on this run's numbers, and those numbers. How each claim is "
+              "checked: docs/DESIGN.md, section \"Claims the report checks\".", ""]
+    lines += [claim_line(claim) for claim in tables["claims"]] + [""]
     return "\n".join(lines)
 
 
