@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from taps_ray.config import ConfigError, load_config
 
@@ -378,6 +380,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _run_folder(args: argparse.Namespace) -> Path | None:
+    """The run folder of a command that runs Ray (its Ray log goes to ``<run folder>/logs/ray.log``); None
+    for the others, or when the config does not load (the command then reports why)."""
+    try:
+        if args.command == "demo":
+            from taps_ray.demo import demo_config
+
+            return demo_config(args.config, args.overrides, args.full).run_dir
+        if args.command in ("prepare", "train", "eval"):
+            return _load(args).run_dir
+        if args.command == "sweep":
+            from taps_ray.sweeps.config import load_spec
+
+            config, overrides = args.config, list(args.overrides)
+            if config is not None and "=" in config and not Path(config).exists():
+                config, overrides = None, [config, *overrides]
+            return load_config(config or load_spec(args.spec, args.preset, overrides).experiment).run_dir
+    except Exception:  # noqa: BLE001  (the command itself reports a bad config)
+        return None
+    return None
+
+
+def _shown(path: Path) -> str:
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -385,11 +414,43 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _, _, run = COMMANDS[args.command]
+    ray_log = _route_ray_logs(args)
     try:
         return run(args)
     except (ConfigError, UserError, FileNotFoundError, ValueError) as err:
         print(f"taps {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if ray_log is not None:
+            _end_ray_log(args, ray_log)
+
+
+def _route_ray_logs(args: argparse.Namespace) -> Path | None:
+    """Ray's own messages to ``<run folder>/logs/ray.log`` for a command that runs Ray (see
+    :func:`taps_ray.ray_utils.route_ray_logs`); the path, named on the console, or None."""
+    run_folder = _run_folder(args)
+    if run_folder is None:
+        return None
+    from taps_ray.ray_utils import ray_log_path, route_ray_logs
+
+    try:
+        path = route_ray_logs(ray_log_path(run_folder))
+    except OSError:  # an unwritable output_dir: the command itself says so
+        return None
+    print(f"taps {args.command}: Ray's own messages go to {_shown(path)}", file=sys.stderr, flush=True)
+    return path
+
+
+def _end_ray_log(args: argparse.Namespace, path: Path) -> None:
+    """Name the Ray log again when Ray ran; otherwise give Ray's loggers their console back."""
+    import ray
+
+    from taps_ray.ray_utils import stop_routing_ray_logs
+
+    if ray.is_initialized():  # stays routed until exit: Ray's shutdown still writes
+        print(f"taps {args.command}: Ray's log of this run: {_shown(path)}", file=sys.stderr, flush=True)
+    else:
+        stop_routing_ray_logs()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""Ray's own messages go to the run's log file, ours stay on the console (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from taps_ray import ray_utils
+
+STARVED = "Cluster resources are not enough to run any task from MapBatches. The job may hang forever"
+
+
+@pytest.fixture
+def ray_log(tmp_path):
+    path = ray_utils.route_ray_logs(ray_utils.ray_log_path(tmp_path / "runs" / "x"))
+    yield path
+    ray_utils.stop_routing_ray_logs()
+
+
+def test_ray_log_path_is_under_the_run_folder(tmp_path):
+    assert ray_utils.ray_log_path(tmp_path / "runs" / "demo") == tmp_path / "runs" / "demo" / "logs" / "ray.log"
+
+
+def test_a_ray_warning_lands_in_the_file_not_on_stderr(capsys, ray_log):
+    import ray.data  # noqa: F401  (its import gives "ray.data" a console handler; init_ray routes again after it)
+
+    assert ray_utils.route_ray_logs(ray_log) == ray_log and ray_utils.ray_log() == ray_log and ray_log.is_file()
+    for name in ("ray.data._internal.execution.resource_manager", "ray.tune", "ray.train.v2", "ray"):
+        logging.getLogger(name).warning("%s (%s)", STARVED, name)
+    logging.getLogger("py.warnings").warning("a deprecation note from a library")  # where warnings.warn goes
+    logging.getLogger("taps_ray.data.features").warning("our own warning")
+    out, err = capsys.readouterr()
+    assert "may hang forever" not in out + err and "deprecation note" not in out + err
+    text = ray_log.read_text()
+    for name in ("ray.data._internal.execution.resource_manager", "ray.tune", "ray.train.v2", "ray"):
+        assert f"WARNING {name}: {STARVED} ({name})" in text
+    assert "a deprecation note from a library" in text and "our own warning" not in text
+
+
+def test_worker_output_stdout_on_the_console_the_rest_in_the_file(capsys, ray_log):
+    import ray._private.worker as ray_worker
+
+    print_worker_logs = ray_worker.print_worker_logs  # what Ray calls for streamed worker output
+    print_worker_logs({"pid": 41, "actor_name": "MapWorker(MapBatches(FeatureActor))", "is_err": False,
+                       "lines": ["math: features: 40/40 rows, 9000 tokens, 300 tokens/s"]}, None)
+    print_worker_logs({"pid": 42, "actor_name": "TrainController", "is_err": True,
+                       "lines": ["[State Transition] INITIALIZING -> SCHEDULING."]}, None)
+    print_worker_logs({"pid": "raylet", "is_err": False,
+                       "lines": ["A worker died or was killed while executing a task by an unexpected system error"]},
+                      None)
+    out, err = capsys.readouterr()
+    assert out == "math: features: 40/40 rows, 9000 tokens, 300 tokens/s\n" and err == ""
+    text = ray_log.read_text()
+    assert "(MapWorker(MapBatches(FeatureActor)) pid=41) math: features: 40/40 rows" in text
+    assert "(TrainController pid=42, stderr) [State Transition] INITIALIZING -> SCHEDULING." in text
+    assert "(pid=raylet) A worker died or was killed" in text
+
+
+def test_stopping_restores_the_console(tmp_path, capsys):
+    import ray._private.worker as ray_worker
+
+    ray_print = ray_worker.print_worker_logs
+    console = [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)]
+    path = ray_utils.route_ray_logs(tmp_path / "a" / "ray.log")
+    assert ray_utils.route_ray_logs(tmp_path / "a" / "ray.log") == path  # idempotent
+    assert not [h for h in logging.getLogger("ray").handlers if type(h) is not logging.FileHandler]
+    moved = ray_utils.route_ray_logs(tmp_path / "b" / "ray.log")
+    logging.getLogger("ray.tune").warning("after the move")
+    assert "after the move" in moved.read_text() and "after the move" not in path.read_text()
+    ray_utils.stop_routing_ray_logs()
+    assert ray_utils.ray_log() is None and ray_worker.print_worker_logs is ray_print
+    assert [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)] == console
+    assert logging.getLogger("ray").propagate is False and logging.getLogger("ray.tune").propagate is True
+    logging.getLogger("ray.tune").warning("back on the console")
+    assert "back on the console" in capsys.readouterr().err
+
+
+def test_native_log_lines_on_stderr_go_to_the_file(capfd, tmp_path):
+    native = (b"[2026-11-30 14:17:08,465 E 4553 4553] core_worker.cc:2465: Actor with class name: 'MapWorker' "
+              b"has constructor arguments in the object store and max_restarts > 0.\n")
+    path = ray_utils.route_ray_logs(tmp_path / "ray.log")
+    try:
+        os.write(2, native)  # what Ray's C++ core worker does in this process
+        os.write(2, b"12:00:01 INFO taps_ray.data.sources: dataset 'math': using alternative 0\n")
+        os.write(2, b"progress 50%\r")  # a partial line is passed on as it comes
+    finally:
+        ray_utils.stop_routing_ray_logs()
+    out, err = capfd.readouterr()
+    assert err == "12:00:01 INFO taps_ray.data.sources: dataset 'math': using alternative 0\nprogress 50%\r"
+    assert "core_worker.cc:2465: Actor with class name: 'MapWorker'" in path.read_text()
+    os.write(2, native)
+    assert capfd.readouterr().err == native.decode()  # routing stopped: stderr is stderr again
