@@ -70,6 +70,14 @@ def ray_log_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "logs" / "ray.log"
 
 
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class _NativeStderr:
     """File descriptor 2 through a pipe: :data:`NATIVE_LOG_LINE` lines to the Ray log file, the rest
     to the original stderr as it arrives (partial lines too, so progress bars keep drawing)."""
@@ -79,6 +87,7 @@ class _NativeStderr:
         self.console = os.dup(2)
         read, write = os.pipe()
         os.dup2(write, 2)
+        self.pipe = _identity(write)
         os.close(write)
         self.read = read
         self.writer = logging.getLogger(NATIVE_LOGGER)
@@ -119,7 +128,8 @@ class _NativeStderr:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        os.dup2(self.console, 2)  # closes the pipe's last write end: the pump reads to the end and exits
+        if _identity(2) == self.pipe:  # else someone has pointed fd 2 elsewhere since (pytest's capture does)
+            os.dup2(self.console, 2)  # closes the pipe's last write end: the pump reads to the end and exits
         self.thread.join(timeout=2)
         if not self.thread.is_alive():  # else a process still holds the pipe: the pump may yet write here
             os.close(self.console)
