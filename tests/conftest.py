@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from taps_ray.config import TargetConfig
 from taps_ray.models.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +46,9 @@ def tiny_target() -> TargetModel:
 
 @pytest.fixture(scope="session")
 def embedded_target() -> TargetModel:
-    """The embedded SmolLM2-135M target (fetched once into TAPS_CACHE)."""
-    return TargetModel.load()
+    """The embedded SmolLM2-135M target in float32, where speculative greedy output equals vanilla exactly
+    (fetched once into TAPS_CACHE)."""
+    return TargetModel.load(TargetConfig(dtype="float32"))
 
 
 def data_dir() -> Path | None:

@@ -87,6 +87,17 @@ class DraftHead(nn.Module):
         self.metadata: dict = dict(metadata or {})
         self.seed = seed
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``/``.half()``/... cast parameters; the rotary frequencies stay float32 (rounding them
+        to bf16 would shift every angle)."""
+        inv_freq = self.rotary.inv_freq.float()
+        original = self.rotary.original_inv_freq.float()
+        super()._apply(fn, recurse)
+        device = self.fc.weight.device
+        self.rotary.inv_freq = inv_freq.to(device)
+        self.rotary.original_inv_freq = original.to(device)
+        return self
+
     def _init_weights(self) -> None:
         std = 0.02
         for module in self.modules():
@@ -120,7 +131,7 @@ class DraftHead(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], past, hidden.dtype, hidden.device)
-        position_embeddings = self.rotary(hidden, positions)
+        position_embeddings = self.rotary(hidden, positions)  # cos/sin from fp32 angles, cast to hidden's dtype
         return self.layer(
             hidden,
             attention_mask=attention_mask.to(hidden.dtype),

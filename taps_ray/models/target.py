@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from taps_ray import artifacts
 from taps_ray.config import TargetConfig
+from taps_ray.models.attention import use_gqa_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +69,45 @@ class TargetOutput:
     cache: DynamicCache | None
 
 
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_native_bf16() -> str | None:
+    """The CPU flag that gives this machine native bfloat16 matmuls (``avx512_bf16``/``amx_bf16``), or None.
+
+    Read from ``/proc/cpuinfo`` (Linux); elsewhere None, so ``auto`` stays float32.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return None
+    return next((flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags), None)
+
+
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """``auto`` picks cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+    """``auto`` device: cuda when a GPU is visible, else cpu. ``auto`` dtype: bfloat16 on cuda and on a CPU
+    with native bf16 (:func:`cpu_native_bf16`; 1.5x fp32 decode speed there, docs/BENCHMARKS.md), else float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TargetLoadError(f"device {device!r} requested but CUDA is not available; use device=cpu or auto")
     if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        dtype = "bfloat16" if dev.type == "cuda" or (dev.type == "cpu" and cpu_native_bf16()) else "float32"
     return dev, getattr(torch, dtype)
+
+
+def dtype_reason(device: torch.device, dtype: torch.dtype, requested: str) -> str:
+    """One line saying which dtype ``requested`` resolved to on ``device`` and why."""
+    name = str(dtype).removeprefix("torch.")
+    if requested != "auto":
+        return f"{name} (set in the config)"
+    if device.type == "cuda":
+        return f"{name} (auto: CUDA)"
+    flag = cpu_native_bf16()
+    if flag:
+        return f"{name} (auto: this CPU has native bf16, {flag}; target.dtype=float32 for fp32)"
+    return f"{name} (auto: this CPU has no native bf16; target.dtype=bfloat16 to force it)"
 
 
 def _embedded_hf_folder(name: str) -> Path:
@@ -136,12 +166,14 @@ class TargetModel:
 
     def __init__(self, model: PreTrainedModel, tokenizer, name: str):
         model.eval().requires_grad_(False)
+        use_gqa_sdpa(model)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.dtype_note = str(self.dtype).removeprefix("torch.")
         self.embed_tokens: torch.nn.Embedding = model.get_input_embeddings()
         self.lm_head: torch.nn.Linear = model.get_output_embeddings()
         self.hidden_size: int = self.config.hidden_size
@@ -178,14 +210,17 @@ class TargetModel:
         target = cls(model, tokenizer, name=source)
         if cfg.max_context:
             target.max_context = min(target.max_context, cfg.max_context)
-        log.info("target %s loaded on %s/%s in %.1fs", source, device, dtype, time.perf_counter() - start)
+        target.dtype_note = dtype_reason(device, dtype, cfg.dtype)
+        log.info("target %s loaded on %s in %.1fs, dtype %s", source, device, time.perf_counter() - start,
+                 target.dtype_note)
         return target
 
     def _embed_hash(self) -> str:
+        """sha256 of 64 embedding rows rounded to bfloat16: the same for fp32 and bf16 loads of one checkpoint."""
         weight = self.embed_tokens.weight.detach()
         rows = torch.linspace(0, weight.shape[0] - 1, steps=min(64, weight.shape[0])).long().to(weight.device)
-        sample = weight[rows].float().cpu().contiguous()
-        return hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16]
+        sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
+        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -239,7 +274,7 @@ class TargetModel:
 
     def describe(self) -> dict:
         return {**self.fingerprint.to_dict(), "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "layers": self.config.num_hidden_layers, "max_context": self.max_context}
+                "dtype_note": self.dtype_note, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
 @torch.inference_mode()

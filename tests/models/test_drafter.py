@@ -140,3 +140,13 @@ def test_average_drafters(target):
     reduced = DraftHead(target.config, draft_to_target=torch.arange(10))
     with pytest.raises(ValueError, match="different draft vocabularies"):
         average_drafters([a, reduced], [0.5, 0.5])
+
+
+def test_rotary_frequencies_stay_float32_in_bf16():
+    from tests.conftest import tiny_llama_config
+
+    head = DraftHead(tiny_llama_config()).to(dtype=torch.bfloat16)
+    assert head.fc.weight.dtype == torch.bfloat16
+    assert head.rotary.inv_freq.dtype == torch.float32
+    fresh = DraftHead(tiny_llama_config())
+    torch.testing.assert_close(head.rotary.inv_freq, fresh.rotary.inv_freq, rtol=0, atol=0)

@@ -30,6 +30,45 @@ def test_embedded_target_loads_and_greedy_is_deterministic(embedded_target):
     assert embedded_target.tokenizer.decode(first).strip().startswith("2 + 3") or "5" in embedded_target.tokenizer.decode(first)
 
 
+@pytest.mark.integration
+def test_fingerprint_does_not_depend_on_dtype(embedded_target):
+    bf16 = TargetModel.load(TargetConfig(dtype="bfloat16"))
+    assert bf16.dtype == torch.bfloat16 and embedded_target.dtype == torch.float32
+    assert bf16.fingerprint.mismatch(embedded_target.fingerprint) is None
+    assert bf16.fingerprint.embed_hash == embedded_target.fingerprint.embed_hash
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch):
+    from taps_ray.models import target as target_module
+
+    monkeypatch.setattr(target_module, "cpu_native_bf16", lambda: "avx512_bf16")
+    assert target_module.resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.bfloat16)
+    assert "native bf16" in target_module.dtype_reason(torch.device("cpu"), torch.bfloat16, "auto")
+    monkeypatch.setattr(target_module, "cpu_native_bf16", lambda: None)
+    assert target_module.resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)
+    assert target_module.resolve_device_dtype("cpu", "bfloat16")[1] == torch.bfloat16
+    assert "no native bf16" in target_module.dtype_reason(torch.device("cpu"), torch.float32, "auto")
+
+
+def test_cpu_target_uses_gqa_attention_with_identical_tree_logits():
+    from taps_ray.models.attention import GQA_SDPA
+    from taps_ray.spec.tree import build_tree
+    from taps_ray.spec.verify import run_tree
+
+    target = make_tiny_target(0)
+    assert target.model.config._attn_implementation == GQA_SDPA
+    ids = torch.randint(2, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    tree = build_tree(torch.arange(10, 18), [-1, 0, 0, 0, 1, 1, 2, 4], prefix_len=40)
+    outs = []
+    for implementation in (GQA_SDPA, "sdpa"):
+        target.model.set_attn_implementation(implementation)
+        cache = target.new_cache()
+        target.prefill(ids, cache)
+        outs.append(run_tree(target, tree, cache).logits)
+    target.model.set_attn_implementation(GQA_SDPA)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
 def test_fingerprint_mismatch_names_field():
     a, b = make_tiny_target(0), make_tiny_target(1)
     assert a.fingerprint.mismatch(a.fingerprint) is None
