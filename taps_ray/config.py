@@ -44,14 +44,17 @@ class TargetConfig(Strict):
         raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
 
 
-SourceKind = Literal["sharegpt", "gsm8k_train", "math_train", "jsonl", "hf", "mathinstruct", "reasoning_gym"]
+SourceKind = Literal["sharegpt", "gsm8k_train", "math_train", "gsm8k_test_split", "jsonl", "hf", "mathinstruct",
+                     "reasoning_gym"]
 
 
 class SourceSpec(Strict):
     """One way of obtaining a training data source.
 
     kinds: ``sharegpt`` (``path`` to a ShareGPT JSON/JSONL, else the pinned wheel file),
-    ``gsm8k_train``/``math_train`` (``$TAPS_DATA_DIR/train/*.jsonl``, or ``path``), ``jsonl``
+    ``gsm8k_train``/``math_train`` (``$TAPS_DATA_DIR/train/*.jsonl``, or ``path``),
+    ``gsm8k_test_split`` (prompt-only: the training pool of GSM8K test, ~75% by question hash, from
+    the benchmark loader; the reserved rest is never trained on), ``jsonl``
     (a local JSON/JSONL of conversations or question/answer rows), ``hf`` (HF dataset ``name``,
     ``subset``, ``split``), ``mathinstruct`` (HF TIGER-Lab/MathInstruct), ``reasoning_gym``
     (offline generated math prompts; ``tasks`` names generators).
@@ -73,6 +76,9 @@ class SourceSpec(Strict):
             raise ValueError("kind 'jsonl' needs 'path'")
         if self.kind == "hf" and not self.name:
             raise ValueError("kind 'hf' needs 'name' (an HF dataset id)")
+        if self.kind == "gsm8k_test_split" and (self.path or self.name):
+            raise ValueError("kind 'gsm8k_test_split' reads the GSM8K test benchmark itself; it takes no 'path' or "
+                             f"'name' (got path={self.path!r}, name={self.name!r})")
         if self.kind == "reasoning_gym" and "gsm_symbolic" in self.tasks:
             raise ValueError("reasoning_gym task 'gsm_symbolic' is derived from GSM8K test; not allowed")
         return self

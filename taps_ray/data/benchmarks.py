@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray import artifacts
+from taps_ray.data.contamination import question_hashes
 from taps_ray.data.sources import (
     JsonRecordReader,
     SourceError,
@@ -188,25 +189,64 @@ def _load_all(name: str) -> tuple[list[BenchmarkQuestion], str]:
     raise SourceUnavailable(f"benchmark {name!r} is not available:\n  " + "\n  ".join(reasons))
 
 
-def load_benchmark(name: str, limit: int | None = None, seed: int = 0) -> list[BenchmarkQuestion]:
-    """Questions of benchmark ``name`` (one of :data:`BENCHMARKS`), from the first origin that has it.
+def benchmark_questions(name: str) -> tuple[list[BenchmarkQuestion], str]:
+    """Every question of benchmark ``name`` in file order, and where they came from.
 
-    ``limit`` selects a seeded random subset (:func:`~taps_ray.data.sources.seeded_subset`)
-    returned in file order: the same seed gives the same questions, and for one seed the
-    questions chosen with a smaller limit are a subset of those chosen with a larger one.
-    Raises ``ValueError`` for an unknown name or ``limit < 1``.
+    Raises ``ValueError`` for an unknown name, :class:`~taps_ray.data.sources.SourceUnavailable`
+    when no origin has it.
     """
     _check_name(name)
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 or None, got {limit}")
     questions, origin = _load_all(name)
     expected = EXPECTED_ROWS[name]
     if len(questions) != expected:
         log.warning("benchmark %s from %s has %d questions; the paper's set has %d",
                     name, origin, len(questions), expected)
+    return questions, origin
+
+
+@dataclass
+class BenchmarkSelection:
+    """Questions drawn from one benchmark after ``excluded_questions`` of its ``total`` were left out."""
+
+    name: str
+    questions: list[BenchmarkQuestion]
+    origin: str
+    total: int
+    excluded_questions: list[BenchmarkQuestion] = field(default_factory=list)
+
+    @property
+    def excluded(self) -> int:
+        return len(self.excluded_questions)
+
+
+def select_benchmark(name: str, limit: int | None = None, seed: int = 0,
+                     exclude: set[str] | None = None) -> BenchmarkSelection:
+    """Questions of benchmark ``name`` (one of :data:`BENCHMARKS`), from the first origin that has it.
+
+    Questions any of whose turns has its :func:`~taps_ray.data.contamination.prompt_hash` in
+    ``exclude`` are dropped first; then ``limit`` selects a seeded random subset
+    (:func:`~taps_ray.data.sources.seeded_subset`) of the rest, returned in file order: the same
+    seed and exclusions give the same questions, and a smaller limit selects a subset of a larger
+    one. Raises ``ValueError`` for an unknown name or ``limit < 1``.
+    """
+    _check_name(name)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    questions, origin = benchmark_questions(name)
+    total = len(questions)
+    excluded = [q for q in questions if exclude and question_hashes(q.turns) & exclude]
+    if excluded:
+        questions = [q for q in questions if not question_hashes(q.turns) & exclude]
     selected = [questions[i] for i in seeded_subset(len(questions), limit, seed)]
-    log.info("benchmark %s: %d of %d questions from %s", name, len(selected), len(questions), origin)
-    return selected
+    log.info("benchmark %s: %d of %d questions from %s%s", name, len(selected), total, origin,
+             f" ({len(excluded)} excluded)" if exclude else "")
+    return BenchmarkSelection(name, selected, origin, total, excluded)
+
+
+def load_benchmark(name: str, limit: int | None = None, seed: int = 0,
+                   exclude: set[str] | None = None) -> list[BenchmarkQuestion]:
+    """The questions of :func:`select_benchmark` (same arguments, same errors)."""
+    return select_benchmark(name, limit, seed, exclude).questions
 
 
 def benchmark_availability(name: str) -> BenchmarkAvailability:
