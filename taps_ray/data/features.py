@@ -5,7 +5,9 @@ A feature set is a folder ``$TAPS_CACHE/features/<dataset>-<key>/`` of Parquet s
 row per conversation: ``row_id`` int64, ``input_ids`` list<int32> [T], ``loss_mask`` list<int8>
 [T] (1 on assistant tokens), ``length`` int32, ``hidden`` binary (bf16 [T, H], row-major). The
 folder is complete only when ``_SUCCESS.json`` exists; it is written last, after an atomic
-rename, so an interrupted ``prepare`` is never read as complete.
+rename, so an interrupted ``prepare`` is never read as complete. ``prompts.json`` beside the shards
+holds the hash of each row's first user turn (:mod:`taps_ray.data.contamination`); a feature set
+prepared before it existed gets one on its next ``prepare`` (from the source's conversations).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import torch
 
 from taps_ray import artifacts
 from taps_ray.config import DatasetConfig, ExperimentConfig, RegenerationConfig, TargetConfig
+from taps_ray.data.contamination import (
+    FEATURE_PROMPTS,
+    conversation_hash,
+    read_feature_prompts,
+    write_feature_prompts,
+)
 from taps_ray.ray_utils import quiet_ray_data
 
 log = logging.getLogger(__name__)
@@ -111,6 +119,10 @@ class FeatureSet:
     @property
     def hidden_size(self) -> int:
         return int(self.manifest["target"]["hidden_size"])
+
+    def prompt_hashes(self) -> list[str] | None:
+        """Hashes of the rows' first user turns (``prompts.json``), or None when not recorded."""
+        return read_feature_prompts(self.path)
 
     def shard_paths(self) -> list[str]:
         return sorted(str(p) for p in self.path.glob("*.parquet"))
@@ -347,6 +359,8 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     if (final / MANIFEST).exists():
         fs = open_feature_set(final, fingerprint, name)
         m = fs.manifest
+        if fs.prompt_hashes() is None:
+            _backfill_prompts(cfg, name, final)
         return PrepareResult(name, str(final), True, m["origin"], m["rows"], m["tokens"], m["loss_tokens"],
                              m["megabytes"], m["seconds"], m.get("skipped", {}), m.get("regenerated", 0),
                              m.get("truncated", 0))
@@ -360,7 +374,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
         regenerated = len(conversations)
     max_len = cfg.data.features.max_len
     skipped = dict(getattr(source, "skipped", {}) or {})
-    rows, truncated, no_loss = [], 0, 0
+    rows, hashes, truncated, no_loss = [], [], 0, 0
     for conv in conversations:
         tc = tokenize_conversation(target.tokenizer, conv, max_len)
         truncated += tc.truncated
@@ -368,6 +382,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
             no_loss += 1
             continue
         rows.append({"row_id": len(rows), "input_ids": tc.input_ids, "loss_mask": tc.loss_mask})
+        hashes.append(conversation_hash(conv))
     skipped["no_assistant_tokens_after_truncation"] = no_loss
     if not rows:
         raise FeatureCacheError(f"dataset {name!r} ({source.origin}) produced no rows with assistant tokens")
@@ -386,6 +401,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
         "max_len": max_len, "target": fingerprint, "format": FORMAT_VERSION,
         "config": cfg.data.datasets[name].model_dump(),
     }
+    write_feature_prompts(partial, hashes)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     tmp = final / (MANIFEST + ".tmp")
@@ -393,6 +409,22 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     os.replace(tmp, final / MANIFEST)
     return PrepareResult(name, str(final), False, source.origin, len(rows), tokens, manifest["loss_tokens"],
                          manifest["megabytes"], round(seconds, 2), skipped, regenerated, truncated)
+
+
+def _backfill_prompts(cfg: ExperimentConfig, name: str, path: Path) -> None:
+    """Record the prompts of a feature set prepared before ``prompts.json`` existed: the hashes of every
+    conversation its source gives now (a superset of its rows)."""
+    from taps_ray.data.sources import SourceError, SourceUnavailable, load_dataset_alternatives
+
+    try:
+        source = load_dataset_alternatives(cfg.data.datasets[name])
+    except (SourceError, SourceUnavailable) as err:
+        log.warning("%s: features at %s have no %s and the source cannot be read again (%s); drafters trained "
+                    "on them record no prompts for it", name, path, FEATURE_PROMPTS, err)
+        return
+    write_feature_prompts(path, [conversation_hash(c) for c in source.conversations], superset=True)
+    log.info("%s: recorded the prompts of %d source conversations in %s", name, len(source.conversations),
+             path / FEATURE_PROMPTS)
 
 
 def prepare_features(cfg: ExperimentConfig, names: list[str] | None = None, target=None) -> list[PrepareResult]:

@@ -6,6 +6,7 @@ import torch
 
 from taps_ray.config import load_config
 from taps_ray.data import features
+from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
 from taps_ray.data.features import (
     MANIFEST,
     FeatureCacheError,
@@ -67,6 +68,7 @@ def _tiny_config(tmp_path, rows):
     cfg_path.write_text(
         "name: t\n"
         f"output_dir: {tmp_path / 'runs'}\n"
+        "target: {dtype: float32}\n"  # as the embedded_target fixture, so the actors' features match it
         "data:\n  datasets:\n    chat:\n      domain: chat\n"
         f"      alternatives:\n        - {{kind: jsonl, path: {data}}}\n"
         "  features: {max_len: 48, batch_tokens: 96, rows_per_shard: 2}\n"
@@ -98,9 +100,13 @@ def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_t
         assert torch.allclose(row["hidden"].float(), expected.to(torch.bfloat16).float(), atol=1e-2)
     subset = fs.read_rows(np.array([1, 3]))
     assert sorted(r["row_id"] for r in subset) == [1, 3]
+    assert fs.prompt_hashes() == [prompt_hash(f"Question {i}: add {i} and {i}?") for i in range(5)]
+    (fs.path / FEATURE_PROMPTS).unlink()  # as prepared before prompts were recorded
     second = prepare_features(cfg, target=embedded_target)[0]
     assert second.cache_hit and second.rows == first.rows and second.path == first.path
     assert second.truncated == first.truncated
+    assert fs.prompt_hashes() == [prompt_hash(f"Question {i}: add {i} and {i}?") for i in range(5)]
+    assert json.loads((fs.path / FEATURE_PROMPTS).read_text())["superset"] is True
 
 
 def test_incomplete_or_foreign_cache_is_rejected(tmp_path):
