@@ -18,8 +18,10 @@ get ``(cluster CPUs - 1) / workers`` logical CPUs each (one CPU stays free for R
 tasks, which ask for a quarter CPU each) and the physical cores split fairly as torch threads.
 
 Outputs under ``<output_dir>/<name>/``: ``drafters/<variant>/`` (``config.json`` +
-``model.safetensors`` of the final checkpoint, loadable by :meth:`DraftHead.load`; ``metrics.jsonl``;
-``variant.json``), ``ray/<variant>/`` (Ray Train checkpoints), ``train_summary.json``.
+``model.safetensors`` of the final checkpoint, loadable by :meth:`DraftHead.load`;
+``trained_prompts.json``, the prompt hashes of every feature set the mixture drew from, see
+:mod:`taps_ray.data.contamination`; ``metrics.jsonl``; ``variant.json``), ``ray/<variant>/`` (Ray
+Train checkpoints), ``train_summary.json``.
 An existing variant is never overwritten silently: ``resume`` continues from its last checkpoint
 (the settings must be unchanged), ``force`` deletes it first.
 """
@@ -41,6 +43,7 @@ from typing import Literal
 import numpy as np
 
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
+from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
 from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_sets
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.ray_utils import quiet_ray_data
@@ -268,13 +271,36 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
 
 
 def copy_final(checkpoint, out: Path) -> None:
-    """Copy the checkpoint's drafter files into ``out`` atomically, file by file."""
+    """Copy the checkpoint's drafter files (and its ``trained_prompts.json``, when it has one; a stale
+    one in ``out`` is removed otherwise) into ``out`` atomically, file by file."""
     with checkpoint.as_directory() as directory:
         source = Path(directory) / DRAFTER_DIR
-        for name in ("model.safetensors", "config.json"):
+        for name in ("model.safetensors", "config.json", TRAINED_PROMPTS):
+            if name == TRAINED_PROMPTS and not (source / name).is_file():
+                (out / name).unlink(missing_ok=True)
+                continue
             tmp = out / f".{name}.partial"
             shutil.copyfile(source / name, tmp)
             os.replace(tmp, out / name)
+
+
+def trained_prompts(sets: dict[str, FeatureSet], selection: MixtureSelection) -> dict:
+    """The ``trained_prompts.json`` record of a mixture: the union of the prompt hashes of every feature
+    set it selects rows from (a feature set without recorded prompts is logged and left out)."""
+    hashes: set[str] = set()
+    sources = []
+    for name, ids in sorted(selection.rows.items()):
+        if len(ids) == 0:
+            continue
+        recorded = sets[name].prompt_hashes()
+        if recorded is None:
+            log.warning("features of %r at %s record no prompts (%s); run `taps prepare` to add them, else "
+                        "evaluation cannot exclude what this drafter saw of %r", name, sets[name].path,
+                        FEATURE_PROMPTS, name)
+            continue
+        hashes.update(recorded)
+        sources.append(f"{name}: {sets[name].manifest.get('origin')}")
+    return trained_prompts_record(hashes, sources)
 
 
 def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
@@ -305,6 +331,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "metrics_path": str(out / "metrics.jsonl"),
         "threads": worker_threads,
         "fail_at_step": os.environ.get(FAIL_ENV),
+        "trained_prompts": trained_prompts(sets, plan.selection),
         "meta": {
             "variant": variant.name,
             "mixture": {"name": variant.mixture, "counts": plan.selection.counts,

@@ -7,7 +7,8 @@ the target's frozen tensors), ``draft_to_target`` (list of target ids or None), 
 ``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names),
 ``heldout`` (an ObjectRef of, or a dict of pyarrow Tables of held-out feature rows per dataset),
 ``cache_rows`` (keep the shard's raw rows in memory after the first epoch), ``metrics_path``,
-``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``.
+``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``,
+``trained_prompts`` (optional: written as the drafter's ``trained_prompts.json``).
 
 Data. Dataset ``train`` (split over workers; Ray Data order preserved, so a shard's row sequence is
 the same after a restart) has the feature columns plus ``dataset``; each epoch it is read once
@@ -18,7 +19,8 @@ are all-reduced. The input-feature noise of a step is drawn from a generator see
 step), so it needs no saved state and a resumed run draws exactly what an uninterrupted one would.
 
 Checkpoints (rank 0; every ``checkpoint_every`` steps and at each epoch end, after the held-out
-evaluation): ``drafter/`` (HF layout, :meth:`DraftHead.save`) and ``train_state.pt`` (optimizer,
+evaluation): ``drafter/`` (HF layout, :meth:`DraftHead.save`, plus ``trained_prompts.json``) and
+``train_state.pt`` (optimizer,
 step, tokens, attempts, last held-out metrics; the learning rate is a function of the step). A restart resumes at the checkpoint's step; the batches of the current
 epoch before it are regenerated in the same seeded order and skipped without decoding, so no step
 is trained twice and the final step count is unchanged. Rank 0 appends ``metrics.jsonl`` and cuts
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from taps_ray.config import ObjectiveConfig, TrainConfig
+from taps_ray.data.contamination import write_trained_prompts
 from taps_ray.data.features import decode_row
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetFingerprint
@@ -305,8 +308,10 @@ class ShardRows:
 
 
 def _save_checkpoint(directory: Path, module: DraftHead, optimizer: torch.optim.Optimizer, state: TrainState,
-                     fingerprint: TargetFingerprint, extra: dict) -> None:
+                     fingerprint: TargetFingerprint, extra: dict, prompts: dict | None = None) -> None:
     module.save(directory / DRAFTER_DIR, fingerprint, extra=extra)
+    if prompts is not None:
+        write_trained_prompts(directory / DRAFTER_DIR, prompts)
     torch.save({"optimizer": optimizer.state_dict(), "state": asdict(state)}, directory / STATE_NAME)
 
 
@@ -396,7 +401,8 @@ def train_loop_per_worker(config: dict) -> dict:
             ray.train.report(metrics, checkpoint=None)
             return
         with tempfile.TemporaryDirectory() as directory:
-            _save_checkpoint(Path(directory), module, optimizer, state, fingerprint, extra(final))
+            _save_checkpoint(Path(directory), module, optimizer, state, fingerprint, extra(final),
+                             config.get("trained_prompts"))
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory),
                              checkpoint_dir_name=f"checkpoint_step{state.step:07d}")
 

@@ -20,8 +20,11 @@ import pytest
 
 from taps_ray import cli
 from taps_ray.config import load_config
+from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash, write_feature_prompts
+from taps_ray.data.features import FeatureSet
+from taps_ray.data.mixtures import MixtureSelection
 from taps_ray.models.drafter import DraftHead
-from taps_ray.train.launch import TrainLaunchError, run_training
+from taps_ray.train.launch import TrainLaunchError, run_training, trained_prompts
 from taps_ray.train.loop import FAIL_ENV
 from tests.conftest import REPO
 from tests.train.train_helpers import drafter_tensors, tiny_experiment
@@ -81,6 +84,28 @@ def test_variants_train_concurrently_into_loadable_drafters(trained):
     assert alive["a"][0] < alive["b"][1] and alive["b"][0] < alive["a"][1], f"workers never ran together: {alive}"
     saved = json.loads((cfg.run_dir / "train_summary.json").read_text())
     assert {v["variant"] for v in saved["variants"]} == {"a", "b"}
+
+
+def test_drafters_record_the_prompts_of_the_feature_sets_they_drew_from(trained):
+    cfg, _, _ = trained
+    math = {prompt_hash(f"math question {i}") for i in range(36)}
+    for name in ("a", "b"):
+        record = json.loads((cfg.run_dir / "drafters" / name / TRAINED_PROMPTS).read_text())
+        assert set(record["sha256"]) == math and record["count"] == 36 and record["sources"] == ["math: synthetic math"]
+
+
+def test_trained_prompts_union_skips_empty_and_unrecorded_sets(tmp_path, caplog):
+    sets = {}
+    for name, prompts in (("math", ["m1", "m2"]), ("chat", ["c1"]), ("code", None)):
+        (tmp_path / name).mkdir()
+        if prompts:
+            write_feature_prompts(tmp_path / name, [prompt_hash(p) for p in prompts])
+        sets[name] = FeatureSet(name, tmp_path / name, {"origin": f"origin of {name}", "rows": 2})
+    rows = {"math": np.array([0, 1]), "chat": np.array([], dtype=np.int64), "code": np.array([1])}
+    record = trained_prompts(sets, MixtureSelection("mix", rows))
+    assert set(record["sha256"]) == {prompt_hash("m1"), prompt_hash("m2")}
+    assert record["sources"] == ["math: origin of math"]
+    assert "features of 'code'" in caplog.text and "record no prompts" in caplog.text
 
 
 def test_injected_failure_resumes_from_last_checkpoint_without_retraining(trained):

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from taps_ray.config import ExperimentConfig, load_config
+from taps_ray.data.contamination import prompt_hash, write_feature_prompts
 from taps_ray.data.features import FORMAT_VERSION, MANIFEST, feature_set_path
 from taps_ray.models.target import TargetModel
 from tests.conftest import make_tiny_target
@@ -43,7 +44,8 @@ def save_tiny_target(folder: Path) -> TargetModel:
 def write_features(cfg: ExperimentConfig, target: TargetModel, name: str, rows: int, seed: int,
                    token_range: tuple[int, int]) -> Path:
     """A complete feature set of ``rows`` random conversations (prompt, then an assistant span
-    ending in EOS) in the cache folder ``cfg`` and ``target`` resolve to."""
+    ending in EOS; row ``i``'s prompt recorded as ``"<name> question <i>"``) in the cache folder
+    ``cfg`` and ``target`` resolve to."""
     g = torch.Generator().manual_seed(seed)
     out = feature_set_path(cfg, name, target.fingerprint.to_dict())
     out.mkdir(parents=True, exist_ok=True)
@@ -66,6 +68,7 @@ def write_features(cfg: ExperimentConfig, target: TargetModel, name: str, rows: 
     manifest = {"dataset": name, "origin": f"synthetic {name}", "rows": rows,
                 "tokens": sum(r["length"] for r in records), "target": target.fingerprint.to_dict(),
                 "format": FORMAT_VERSION}
+    write_feature_prompts(out, [prompt_hash(f"{name} question {row_id}") for row_id in range(rows)])
     (out / MANIFEST).write_text(json.dumps(manifest))
     return out
 
