@@ -269,6 +269,7 @@ def _add_average(parser: argparse.ArgumentParser) -> None:
 def _run_average(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from taps_ray.data.contamination import write_averaged
     from taps_ray.models.drafter import average_drafters
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.compose import averaging_weights
@@ -291,6 +292,7 @@ def _run_average(args: argparse.Namespace) -> int:
     merged = average_drafters(heads, weights)
     merged.metadata.update(name=Path(args.out).name, averaged_from=[str(Path(d).resolve()) for d in args.drafter])
     path = merged.save(args.out, target.fingerprint)
+    write_averaged(path, args.drafter)  # the union of the parts' trained prompts (contamination guard)
     print(f"wrote {path}: " + " + ".join(f"{w:g} * {d}" for w, d in zip(weights, args.drafter)))
     return 0
 

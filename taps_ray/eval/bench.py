@@ -195,11 +195,13 @@ def _fmt(value: float, digits: int = 2) -> str:
     return "-" if value != value else f"{value:.{digits}f}"
 
 
-def benchmark_prompts(target: TargetModel, benchmark: str, limit: int, seed: int = 0) -> list[torch.Tensor]:
-    """Chat-templated first turns [T] of ``limit`` questions of ``benchmark``."""
+def benchmark_prompts(target: TargetModel, benchmark: str, limit: int, seed: int = 0,
+                      exclude: set[str] | None = None) -> list[torch.Tensor]:
+    """Chat-templated first turns [T] of ``limit`` questions of ``benchmark``, drawn after dropping the
+    questions whose prompt hashes are in ``exclude`` (:mod:`taps_ray.data.contamination`)."""
     from taps_ray.data.benchmarks import load_benchmark
 
-    questions = load_benchmark(benchmark, limit=limit, seed=seed)
+    questions = load_benchmark(benchmark, limit=limit, seed=seed, exclude=exclude)
     return [target.encode_chat([{"role": "user", "content": q.turns[0]}])[0] for q in questions]
 
 

@@ -510,6 +510,7 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
               f"- records: {len(data.records)}; temperatures: {data.temperatures}; benchmarks: {b}",
               "- tau = appended tokens per target verification step (accepted + bonus), micro-averaged per "
               "benchmark; avg = mean over benchmarks.", ""]
+    lines += [f"- questions, {note}" for note in run.get("question_notes", [])] + [""] * bool(run.get("question_notes"))
     for t in data.temperatures:
         lines += [f"## Temperature {t:g}", "", "### Acceptance length tau (Table 1)", ""]
         rows = [r for r in tables["tau"] if r["temperature"] == t]

