@@ -112,8 +112,15 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
     _config_args(parser)
-    parser.add_argument("--drafter", default=None, metavar="DIR", help="drafter checkpoint (default: untrained)")
+    parser.add_argument("--drafter", default=None, metavar="DIR",
+                        help="drafter checkpoint folder or release:NAME (default: release:math when shipped, "
+                             "else untrained)")
     parser.add_argument("--benchmark", default="gsm8k", help="mt_bench, gsm8k, math_500 or svamp")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--no-exactness", action="store_true",
+                        help="skip the float32 reference that measures divergences in reduced precision")
     parser.add_argument("--limit", type=int, default=4, help="number of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="output folder (default: <output_dir>/<name>/bench)")
@@ -134,9 +141,14 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from taps_ray.config import TreeConfig
+    from taps_ray.data.contamination import union_trained_prompts
     from taps_ray.eval.bench import benchmark_prompts, run_bench, write_report
+    from taps_ray.models.release import default_release_drafter, resolve_drafter_dir
     from taps_ray.models.target import TargetModel
+    from taps_ray.spec.decoder import check_sampling
 
     cfg = _load(args)
     if args.limit < 1 or args.max_new_tokens < 1:
@@ -148,12 +160,25 @@ def _run_bench(args: argparse.Namespace) -> int:
             [TreeConfig(depth=d, top_k=cfg.tree.top_k, total_tokens=n) for d in depths for n in totals]
         except ValueError as err:
             raise UserError(f"invalid sweep values: {err}") from None
+    try:
+        sampling = check_sampling({"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
+    except ValueError as err:
+        raise UserError(str(err)) from None
     target = TargetModel.load(cfg.target)
-    drafter = _drafters(target, [args.drafter] if args.drafter else [], cfg.drafter.seed)[0]
-    prompts = benchmark_prompts(target, args.benchmark, args.limit)
+    print(f"taps bench: target dtype {target.dtype_note}", file=sys.stderr)
+    drafter_name = args.drafter or default_release_drafter("math")
+    drafter = _drafters(target, [drafter_name] if drafter_name else [], cfg.drafter.seed)[0]
+    reference = None
+    if target.dtype != torch.float32 and sampling.temperature == 0 and not args.no_exactness:
+        reference = TargetModel.load(cfg.target.model_copy(update={"dtype": "float32"}))
+    seen = union_trained_prompts([resolve_drafter_dir(drafter_name)]) if drafter_name else set()
+    prompts = benchmark_prompts(target, args.benchmark, args.limit, exclude=seen)
+    if seen:
+        print(f"taps bench: questions the drafter trained on are excluded ({len(seen)} training prompts known)",
+              file=sys.stderr)
     report = run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
-                       sweep_total=totals, sweep_depth=depths,
-                       settings={"benchmark": args.benchmark, "drafter": args.drafter or "untrained (fresh init)"})
+                       sweep_total=totals, sweep_depth=depths, sampling=sampling, reference=reference,
+                       settings={"benchmark": args.benchmark, "drafter": drafter_name or "untrained (fresh init)"})
     json_path, md_path = write_report(report, args.out or cfg.run_dir / "bench")
     print(report.to_markdown())
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)

@@ -26,8 +26,9 @@ class TargetConfig(Strict):
     """The frozen target LLM.
 
     ``model``: ``embedded:smollm2-135m`` (offline default), an HF hub id (``hf:`` prefix
-    optional), a local HF folder, or a ``.gguf`` file. ``device``/``dtype`` ``auto`` pick
-    cuda+bfloat16 when a GPU is visible and cpu+float32 otherwise.
+    optional), a local HF folder, or a ``.gguf`` file. ``device`` ``auto`` picks cuda when a GPU
+    is visible, else cpu; ``dtype`` ``auto`` picks bfloat16 on cuda and on a CPU with native bf16
+    (avx512_bf16 / amx_bf16), float32 elsewhere.
     """
 
     model: str = "embedded:smollm2-135m"

@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from taps_ray.config import TreeConfig
+from taps_ray.config import SamplingConfig, TreeConfig
+from taps_ray.eval.exactness import ExactnessReport, account
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
@@ -61,11 +62,12 @@ def _timed(call: Callable[[], object]) -> tuple[object, float, float]:
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int) -> Method:
-    """Our decoder with a fresh strategy per prompt (greedy); step records in CPU time."""
+def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int,
+         sampling: SamplingConfig | None = None) -> Method:
+    """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``); step records in CPU time."""
 
     def run(ids: torch.Tensor) -> Run:
-        result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), None, max_new_tokens,
+        result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), sampling, max_new_tokens,
                                                     collect_entropy=False, timer=time.process_time))
         return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)
 
@@ -138,17 +140,20 @@ class BenchReport:
     methods: list[MethodRow]
     sweep: list[dict] = field(default_factory=list)
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+    exactness: ExactnessReport | None = None
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "methods": [asdict(m) for m in self.methods], "sweep": self.sweep,
-                "picked_tree": pick_tree(self.sweep), "outputs": self.outputs}
+                "picked_tree": pick_tree(self.sweep), "outputs": self.outputs,
+                "exactness": self.exactness.to_dict() if self.exactness else None}
 
     def to_markdown(self) -> str:
         s = self.settings
         lines = [
             f"# Decode benchmark: {s['target']} on {s['benchmark']}",
             "",
-            f"{s['prompts']} prompts, {s['max_new_tokens']} new tokens max, greedy, {s['dtype']} on {s['device']}, "
+            f"{s['prompts']} prompts, {s['max_new_tokens']} new tokens max, {s.get('sampling', 'greedy')}, "
+            f"{s['dtype']} on {s['device']}, "
             f"{s['threads']} torch threads, load average {s['load_before']} -> {s['load_after']}; "
             f"drafter: {s['drafter']}; tree: {s['tree']}. CPU columns use process time (robust to other "
             f"load with one torch thread).",
@@ -160,7 +165,9 @@ class BenchReport:
         for m in self.methods:
             lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x | "
                          f"{m.tokens_per_cpu_s:.2f} | {m.cpu_speedup:.2f}x | {_fmt(m.tau)} | "
-                         f"{_fmt(m.tau_per_question)} | {_fmt(m.step_cpu_ms, 1)} | {m.match:.0%} | {m.note} |")
+                         f"{_fmt(m.tau_per_question)} | {_fmt(m.step_cpu_ms, 1)} | {'-' if m.match != m.match else f'{m.match:.0%}'} | {m.note} |")
+        if self.exactness is not None:
+            lines += ["", "## Exactness", "", self.exactness.to_markdown()]
         if self.sweep:
             lines += [
                 "",
@@ -226,14 +233,22 @@ def run_bench(
     sweep_total: list[int] | None = None,
     sweep_depth: list[int] | None = None,
     settings: dict | None = None,
+    sampling: SamplingConfig | None = None,
+    reference: TargetModel | None = None,
 ) -> BenchReport:
-    """Vanilla, HF greedy, HF prompt lookup and ``spec`` (one drafter, ``tree``) on ``prompts``."""
+    """Vanilla, HF greedy, HF prompt lookup and ``spec`` (one drafter, ``tree``) on ``prompts``.
+
+    Greedy runs are accounted for exactness (:mod:`taps_ray.eval.exactness`) against vanilla, with
+    ``reference`` (a float32 copy of ``target``) measuring the gaps when ``target`` is not float32.
+    With ``sampling`` at T > 0 only vanilla and spec run (their outputs are draws, not compared).
+    """
     load_before = round(os.getloadavg()[0], 2)
-    methods: dict[str, Method] = {"vanilla": ours(target, lambda: None, max_new_tokens)}
-    if hf:
+    greedy = sampling is None or sampling.temperature == 0
+    methods: dict[str, Method] = {"vanilla": ours(target, lambda: None, max_new_tokens, sampling)}
+    if hf and greedy:
         methods["hf-greedy"] = hf_generate(target, max_new_tokens)
         methods["hf-prompt-lookup"] = hf_generate(target, max_new_tokens, PROMPT_LOOKUP_TOKENS)
-    methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens)
+    methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens, sampling)
     runs = run_methods(prompts, methods)
     notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}",
              "spec": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}"}
@@ -242,21 +257,25 @@ def run_bench(
     for row in rows:
         row.speedup = row.tokens_per_s / base.tokens_per_s
         row.cpu_speedup = row.tokens_per_cpu_s / base.tokens_per_cpu_s
-        row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
+        if greedy:
+            row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
 
     sweep = []
     if sweep_total or sweep_depth:
         sweep = run_sweep(target, prompts, drafter, tree, max_new_tokens, sweep_total or [tree.total_tokens],
                           sweep_depth or [tree.depth])
+    sampling_note = ("greedy" if greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p} "
+                     f"top_k={sampling.top_k} seed={sampling.seed}")
     info = {
-        "target": target.name, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+        "sampling": sampling_note, "target": target.name, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "tree": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}",
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_before": load_before, "load_after": round(os.getloadavg()[0], 2), **(settings or {}),
     }
     outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}
-    return BenchReport(info, rows, sweep, outputs)
+    exactness = account(target, reference, prompts, outputs) if greedy else None
+    return BenchReport(info, rows, sweep, outputs, exactness)
 
 
 def run_sweep(

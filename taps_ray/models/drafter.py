@@ -22,6 +22,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetFingerprint
 
 CONFIG_NAME = "config.json"
@@ -180,8 +181,12 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, directory: str | Path, target_config, fingerprint: TargetFingerprint,
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
-        """Load a checkpoint saved by :meth:`save`; fails if it was trained for another target."""
-        directory = Path(directory)
+        """Load a checkpoint saved by :meth:`save` (a folder or ``release:NAME``); fails if it was trained
+        for another target."""
+        try:
+            directory = resolve_drafter_dir(directory)
+        except ReleaseDrafterError as err:
+            raise DrafterLoadError(str(err)) from None
         if not directory.is_dir():
             raise DrafterLoadError(f"drafter directory {str(directory)!r} does not exist")
         try:

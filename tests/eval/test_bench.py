@@ -44,3 +44,19 @@ def test_bench_tiny_target(tmp_path, one_thread):
     markdown = md_path.read_text()
     assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
     assert f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']}" in markdown
+    assert written["exactness"]["identical"] == {"hf-greedy": 2, "hf-prompt-lookup": 2, "spec": 2}
+    assert written["exactness"]["divergences"] == [] and "## Exactness" in markdown
+
+
+def test_bench_sampling_reports_speed_and_tau_without_matching(one_thread):
+    from taps_ray.config import SamplingConfig
+
+    target = peaky_tiny_target(0)
+    prompts = [random_prompt(target, 12, seed) for seed in range(2)]
+    report = run_bench(target, prompts, DraftHead(target.config, seed=1), TreeConfig(depth=2, top_k=3, total_tokens=8),
+                       max_new_tokens=8, sampling=SamplingConfig(temperature=1.0, top_p=0.9, seed=3),
+                       settings={"benchmark": "random", "drafter": "fresh"})
+    rows = {row.method: row for row in report.methods}
+    assert list(rows) == ["vanilla", "spec"] and report.exactness is None
+    assert rows["spec"].tau >= 1.0 and rows["spec"].match != rows["spec"].match  # NaN: draws are not compared
+    assert "sampling T=1.0 top_p=0.9" in report.to_markdown()

@@ -1,0 +1,41 @@
+"""Release drafters: small drafters for the embedded target shipped as package data.
+
+``release:NAME`` names the folder ``taps_ray/release/NAME/`` (``config.json``, ``model.safetensors``,
+a model card ``README.md`` saying how it was trained, ``trained_prompts.json``). Everywhere a drafter
+folder is accepted (``--drafter``, ``eval.drafters``, serve configs), ``release:NAME`` is too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RELEASE_PREFIX = "release:"
+RELEASE_DIR = Path(__file__).resolve().parents[1] / "release"
+
+
+class ReleaseDrafterError(ValueError):
+    """``release:NAME`` names no shipped drafter; the message lists the shipped ones."""
+
+
+def release_names() -> list[str]:
+    """Names of the shipped release drafters (folders with a ``config.json``), sorted."""
+    if not RELEASE_DIR.is_dir():
+        return []
+    return sorted(p.name for p in RELEASE_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_drafter_dir(spec: str | Path) -> Path:
+    """The folder of ``spec``: ``release:NAME`` -> the shipped drafter, anything else -> ``Path(spec)``."""
+    text = str(spec)
+    if not text.startswith(RELEASE_PREFIX):
+        return Path(spec)
+    name = text[len(RELEASE_PREFIX):]
+    if name not in release_names():
+        shipped = ", ".join(f"release:{n}" for n in release_names()) or "none"
+        raise ReleaseDrafterError(f"no release drafter {text!r}; shipped: {shipped}")
+    return RELEASE_DIR / name
+
+
+def default_release_drafter(role: str) -> str | None:
+    """``release:ROLE`` when that drafter is shipped, else None."""
+    return f"{RELEASE_PREFIX}{role}" if role in release_names() else None
