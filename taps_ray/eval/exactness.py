@@ -129,3 +129,32 @@ def account(target: TargetModel, reference: TargetModel | None, prompts: list[to
                     gap, tie = float("nan"), False
             report.divergences.append(Divergence(method, i, position, v_token, o_token, gap, tie))
     return report
+
+
+EXACTNESS_FILE = "exactness.json"
+
+
+def account_records(target: TargetModel, reference: TargetModel | None, records: list[dict]) -> ExactnessReport:
+    """:func:`account` over an evaluation's greedy records (``prompt_ids``/``output_ids`` per turn).
+
+    Every (question, turn) decoded by ``vanilla`` at T = 0 is one prompt; a strategy is compared on each
+    turn up to and including its first differing turn (later turns had another conversation).
+    """
+    greedy = [r for r in records if float(r["temperature"]) == 0 and "output_ids" in r]
+    vanilla = {(r["benchmark"], str(r["question_id"])): r for r in greedy if r["strategy"] == "vanilla"}
+    keys = [(key, turn) for key, r in vanilla.items() for turn in range(len(r["output_ids"]))]
+    prompts = [torch.tensor(vanilla[key]["prompt_ids"][turn], dtype=torch.long) for key, turn in keys]
+    outputs: dict[str, list[list[int]]] = {"vanilla": [vanilla[key]["output_ids"][turn] for key, turn in keys]}
+    others = sorted({r["strategy"] for r in greedy} - {"vanilla"})
+    by_key = {(r["benchmark"], str(r["question_id"]), r["strategy"]): r for r in greedy}
+    for strategy in others:
+        outputs[strategy] = []
+        for (key, turn), reference_output in zip(keys, outputs["vanilla"]):
+            record = by_key.get((*key, strategy))
+            earlier_differ = record is not None and any(
+                record["output_ids"][t] != vanilla[key]["output_ids"][t] for t in range(turn))
+            if record is None or earlier_differ:
+                outputs[strategy].append(reference_output)  # counted at its first differing turn, or not run
+            else:
+                outputs[strategy].append(record["output_ids"][turn])
+    return account(target, reference, prompts, outputs)

@@ -590,6 +590,20 @@ def sweep_sections(out: Path, sweeps: list[str]) -> list[str]:
     return lines
 
 
+def exactness_section(out: Path) -> list[str]:
+    """The run's exactness accounting (``exactness.json``, written by ``taps eval``) as markdown lines."""
+    from taps_ray.eval.exactness import EXACTNESS_FILE, Divergence, ExactnessReport
+
+    path = out / EXACTNESS_FILE
+    if not path.is_file():
+        return []
+    raw = json.loads(path.read_text())
+    report = ExactnessReport(dtype=raw["dtype"], prompts=raw["prompts"], identical=raw["identical"],
+                             divergences=[Divergence(**d) for d in raw["divergences"]],
+                             max_logit_error=raw["max_logit_error"])
+    return ["", "## Exactness (T = 0, each greedy turn against same-dtype vanilla)", "", report.to_markdown(), ""]
+
+
 def write_report(out: str | Path, sweeps: list[str | Path] | None = None) -> Path:
     """Regenerate ``report.md``, ``tables/*.csv``, ``plots/*.png`` and ``summary.json`` in ``out`` from its
     records; returns the path of ``report.md``. ``sweeps``: sweep folders (``taps sweep`` outputs) whose
@@ -619,5 +633,5 @@ def write_report(out: str | Path, sweeps: list[str | Path] | None = None) -> Pat
     remembered = json.loads((out / SWEEPS_FILE).read_text()) if (out / SWEEPS_FILE).is_file() else []
     path = out / "report.md"
     markdown = render_markdown(tables, data, run, plots)
-    path.write_text("\n".join([markdown, *sweep_sections(out, remembered)]))
+    path.write_text("\n".join([markdown, *exactness_section(out), *sweep_sections(out, remembered)]))
     return path

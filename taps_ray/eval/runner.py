@@ -334,13 +334,17 @@ class EvalWorker:
         for name in unit.strategies:
             strategy = self.strategies[name]
             results: list[GenerationResult] = []
+            prompts: list[list[int]] = []
             for turn in range(len(unit.question.turns)):
                 ids = conversation_ids(self.target, unit.question.turns[:turn + 1], results)
+                prompts.append(ids.tolist())
                 sampling = SamplingConfig(temperature=unit.temperature, top_p=self.plan.top_p, top_k=self.plan.top_k,
                                           seed=sampling_seed(unit.question, turn, self.plan.seed))
                 results.append(generate(self.target, ids, strategy, sampling, self.plan.max_new_tokens))
             record = make_record(unit.question, name, self.plan.drafters_of(name), unit.temperature, results)
             record["worker"] = os.getpid()
+            record["prompt_ids"] = prompts
+            record["output_ids"] = [r.token_ids for r in results]
             records.append(record)
         return records
 
@@ -584,8 +588,35 @@ def run_eval(
 
             runner = _run_local if plan.num_actors == 0 else _run_ray
             runner(plan, units, emit, target_factory)
+    write_exactness(out, plan, target_factory)
     if report:
         from taps_ray.eval.report import write_report
 
         write_report(out)
     return out
+
+
+def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], TargetModel] | None = None) -> None:
+    """Account the run's greedy outputs against same-dtype vanilla (:mod:`taps_ray.eval.exactness`) into
+    ``out/exactness.json``; prints one line, and every divergence that is not a tie within rounding."""
+    from taps_ray.eval.exactness import EXACTNESS_FILE, account_records
+
+    records = [r for r in read_records(out / RECORDS) if "output_ids" in r]
+    if not any(r["strategy"] == "vanilla" and float(r["temperature"]) == 0 for r in records):
+        return
+    target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
+    reference = None
+    if target.dtype != torch.float32:
+        reference = TargetModel.load(TargetConfig(**{**plan.target, "dtype": "float32"}))
+    report = account_records(target, reference, records)
+    (out / EXACTNESS_FILE).write_text(json.dumps(report.to_dict(), indent=1))
+    same = sum(report.identical.values())
+    total = report.prompts * len(report.identical)
+    verdict = "every divergence a tie within rounding" if report.all_ties else "DIVERGENCES THAT ARE NOT TIES"
+    print(f"taps eval: exactness ({report.dtype}): {same}/{total} greedy turns identical to vanilla, "
+          f"{len(report.divergences)} divergences, {verdict} (max |{report.dtype} - fp32| logit "
+          f"{report.max_logit_error:.3f}); {out / EXACTNESS_FILE}", flush=True)
+    for d in report.divergences:
+        if not d.tie:
+            print(f"taps eval:   {d.method} turn {d.prompt} position {d.position}: {d.vanilla_token} vs "
+                  f"{d.other_token}, fp32 gap {d.gap:.4f}", flush=True)

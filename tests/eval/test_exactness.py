@@ -65,3 +65,21 @@ def embedded_target_config():
     from taps_ray.config import TargetConfig
 
     return TargetConfig(dtype="bfloat16")
+
+
+def test_eval_records_are_compared_turn_by_turn_up_to_the_first_difference():
+    from taps_ray.eval.exactness import account_records
+
+    target = make_tiny_target(0)
+
+    def record(strategy, outputs):
+        return {"benchmark": "mt_bench", "question_id": 81, "strategy": strategy, "temperature": 0.0,
+                "prompt_ids": [[2, 3, 4], [2, 3, 4, 9, 2, 5]], "output_ids": outputs}
+
+    records = [record("vanilla", [[9, 9], [7, 7]]), record("single:math", [[9, 9], [7, 7]]),
+               record("merged:budget", [[9, 8], [6, 6]]), record("merged:union", [[9, 9], [7, 5]])]
+    report = account_records(target, None, records)
+    assert report.prompts == 2
+    assert report.identical == {"merged:budget": 1, "merged:union": 1, "single:math": 2}
+    assert [(d.method, d.prompt, d.position) for d in report.divergences] == [("merged:budget", 0, 1),
+                                                                               ("merged:union", 1, 1)]

@@ -105,6 +105,10 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
     greedy = [r for r in records if r["temperature"] == 0]
     vanilla = {(r["benchmark"], r["question_id"]): r["output_crc"] for r in greedy if r["strategy"] == "vanilla"}
     assert all(r["output_crc"] == vanilla[(r["benchmark"], r["question_id"])] for r in greedy)
+    exactness = json.loads((out / "exactness.json").read_text())
+    turns = sum(len(r["output_ids"]) for r in greedy if r["strategy"] == "vanilla")
+    assert exactness["dtype"] == "float32" and exactness["prompts"] == turns and exactness["divergences"] == []
+    assert exactness["identical"] == {s: turns for s in strategies if s != "vanilla"}
 
 
 def test_second_turn_is_asked_after_the_first_answer():
