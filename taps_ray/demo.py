@@ -2,9 +2,10 @@
 
 prepare (target features, cached) -> train (every variant concurrently; finished drafters are
 kept) -> eval (the config's ``eval`` section: benchmarks x strategies over the trained drafters;
-finished records are kept) -> interpolation sweep (``tune/interpolation.yaml`` over the ``math``
+finished records are kept) -> the shipped release drafters (``release:math``/``release:chat``) under
+:data:`RELEASE_STRATEGIES` on the same questions, when the package has them -> interpolation sweep (``tune/interpolation.yaml`` over the ``math``
 and ``chat`` drafters; a finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the
-sweep's plot). ``full`` applies :data:`FULL`: a separate run (``demo-full``) whose math drafters
+sweep's plot and the release drafters' tau and speed tables). ``full`` applies :data:`FULL`: a separate run (``demo-full``) whose math drafters
 learn from the target's own answers to the GSM8K-train questions (self-distillation), with more
 training and larger evaluation limits. Prints the tau table, the claims, each stage's wall time and the
 report's path.
@@ -23,10 +24,12 @@ SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
 FULL = [
     "name=demo-full",
     "data.datasets.math.alternatives=[{kind: gsm8k_train, limit: 320, seed: 0, regenerate: true}, "
-    "{kind: reasoning_gym, limit: 320, seed: 0, regenerate: true}]",
+    "{kind: gsm8k_test_split, limit: 320, seed: 0, regenerate: true}]",
     "train.epochs=4", "train.lr=1.0e-3", "eval.limit=10", "eval.max_new_tokens=96",
 ]
 ROLES = {"math": "hass-math", "chat": "hass-chat", "mixed": "hass-mixed"}
+RELEASE_STRATEGIES = ["vanilla", "single", "routed:confidence:step", "merged:budget"]
+RELEASE_SECTIONS = ("Acceptance length tau", "Wall-clock speed")
 
 
 @dataclass
@@ -51,6 +54,19 @@ def demo_config(path: str | Path, overrides: list[str], full: bool) -> Experimen
         raise ValueError(f"the demo evaluates the variants {sorted(ROLES.values())}; "
                          f"{path} has no variant for role(s) {missing}")
     evaluation = cfg.eval.model_copy(update={"drafters": {**cfg.eval.drafters, **drafters}})
+    return cfg.model_copy(update={"eval": evaluation})
+
+
+def release_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
+    """The demo's evaluation over the shipped release drafters (``release:math``, ``release:chat``) with
+    :data:`RELEASE_STRATEGIES`, into ``<run_dir>/eval-release``; None when they are not shipped."""
+    from taps_ray.models.release import release_names
+
+    if not {"math", "chat"} <= set(release_names()):
+        return None
+    evaluation = cfg.eval.model_copy(update={
+        "drafters": {"math": "release:math", "chat": "release:chat"}, "compose": ["math", "chat"],
+        "strategies": RELEASE_STRATEGIES, "out": str(cfg.run_dir / "eval-release"), "temperatures": [0.0]})
     return cfg.model_copy(update={"eval": evaluation})
 
 
@@ -80,8 +96,11 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     cfg = demo_config(path, list(overrides or []), full)
     times = DemoTimes()
 
+    release = release_config(cfg)
+    stages = 4 + bool(sweep) + (release is not None)
+
     def stage(name: str):
-        print(f"\n== taps demo: {name} ({len(times.stages) + 1}/{5 if sweep else 4}) ==", flush=True)
+        print(f"\n== taps demo: {name} ({len(times.stages) + 1}/{stages}) ==", flush=True)
         return time.perf_counter()
 
     started = stage("prepare target features")
@@ -101,6 +120,12 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     out = run_eval(cfg, report=False)
     times.stages["eval"] = time.perf_counter() - started
 
+    release_report = None
+    if release is not None:
+        started = stage("evaluate the shipped release drafters beside them")
+        release_report = write_report(run_eval(release, report=False))
+        times.stages["release eval"] = time.perf_counter() - started
+
     sweeps = []
     if sweep:
         started = stage("interpolation sweep (tau vs alpha)")
@@ -118,9 +143,18 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
 
     started = stage("report")
     report = write_report(out, sweeps)
+    if release_report is not None:
+        shipped = release_report.read_text()
+        sections = "\n\n".join(_section(shipped, title) for title in RELEASE_SECTIONS)
+        report.write_text(report.read_text() + "\n## Release drafters (release:math, release:chat; shipped with the "
+                          f"package)\n\nFrom [{release_report.parent.name}/report.md]({release_report}).\n\n"
+                          + sections.replace("### ", "#### ") + "\n")
     times.stages["report"] = time.perf_counter() - started
     markdown = report.read_text()
     print("\n" + _section(markdown, "Acceptance length tau"))
+    if release_report is not None:
+        print("\nRelease drafters:\n" + "\n\n".join(_section(release_report.read_text(), title)
+                                                     for title in RELEASE_SECTIONS))
     claims = json.loads((out / "summary.json").read_text())["claims"]
     print("\nClaims of the TAPS paper, measured at T=0 (how each is checked: docs/DESIGN.md, "
           "\"Claims the report checks\"):\n" + "\n".join(claim_line(c, bold=False) for c in claims))

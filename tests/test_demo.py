@@ -30,3 +30,17 @@ def test_demo_needs_the_hass_variants():
 def test_section_extracts_one_table():
     text = "# r\n### Acceptance length tau (Table 1)\n\n| a |\n|---|\n### Routing\nx"
     assert _section(text, "Acceptance length tau") == "### Acceptance length tau (Table 1)\n\n| a |\n|---|"
+
+
+def test_release_drafters_are_evaluated_beside_the_demo_ones(monkeypatch):
+    from taps_ray import demo
+    from taps_ray.models import release
+
+    cfg = demo_config(DEMO, [], full=False)
+    monkeypatch.setattr(release, "release_names", lambda: ["chat", "math"])
+    shipped = demo.release_config(cfg)
+    assert shipped.eval.drafters == {"math": "release:math", "chat": "release:chat"}
+    assert shipped.eval.strategies == demo.RELEASE_STRATEGIES and shipped.eval.out.endswith("eval-release")
+    assert shipped.eval.benchmarks == cfg.eval.benchmarks and shipped.eval.limit == cfg.eval.limit
+    monkeypatch.setattr(release, "release_names", lambda: ["math"])
+    assert demo.release_config(cfg) is None

@@ -41,6 +41,7 @@ from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, select_bench
 from taps_ray.data.contamination import ContaminationError, question_hashes, read_trained_prompts
 from taps_ray.data.sources import SourceUnavailable
 from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
+from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetModel
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
@@ -181,6 +182,10 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
     if not drafters:
         log.warning("eval.drafters is empty: using two fresh untrained drafters %s", DEFAULT_DRAFTERS)
         drafters = dict(DEFAULT_DRAFTERS)
+    try:
+        drafters = {n: s if s.startswith(RANDOM_PREFIX) else str(resolve_drafter_dir(s)) for n, s in drafters.items()}
+    except ReleaseDrafterError as err:
+        raise EvalError(str(err)) from None
     compose = list(ev.compose) if ev.compose else list(drafters)
     missing = [n for n in compose if n not in drafters]
     if missing:
