@@ -73,11 +73,16 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
 
 def _drafters(target, dirs: list[str], seed: int) -> list:
     from taps_ray.models.drafter import DrafterLoadError
+    from taps_ray.models.release import default_release_drafter
     from taps_ray.spec.decoder import load_drafter
 
     if not dirs:
-        print("taps: no --drafter given: using a freshly initialised (untrained) drafter", file=sys.stderr)
-        return [load_drafter(target, None, seed)]
+        shipped = default_release_drafter("math")
+        if shipped is None:
+            print("taps: no --drafter given: using a freshly initialised (untrained) drafter", file=sys.stderr)
+            return [load_drafter(target, None, seed)]
+        print(f"taps: no --drafter given: using {shipped}", file=sys.stderr)
+        dirs = [shipped]
     try:
         return [load_drafter(target, d) for d in dirs]
     except DrafterLoadError as err:

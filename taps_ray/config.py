@@ -310,11 +310,22 @@ class DrafterServeConfig(Strict):
     delay_s: float = Field(default=0.0, ge=0)
 
 
+def default_serve_drafters() -> dict[str, DrafterServeConfig]:
+    """The shipped release drafters (``math``, ``chat``: ``release:NAME``) when the package has them, else one
+    untrained ``default`` drafter."""
+    from taps_ray.models.release import release_names
+
+    shipped = [name for name in ("math", "chat") if name in release_names()]
+    if not shipped:
+        return {"default": DrafterServeConfig()}
+    return {name: DrafterServeConfig(checkpoint=f"release:{name}") for name in shipped}
+
+
 class ServeConfig(Strict):
     """``taps serve``: Drafter deployments, one Verifier (the target) and the OpenAI-compatible ingress.
 
-    ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder (None: a fresh
-    untrained drafter). ``strategy`` and ``default_drafters`` (None: every non-averaged drafter, in
+    ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder or ``release:NAME``
+    (default: :func:`default_serve_drafters`). ``strategy`` and ``default_drafters`` (None: every non-averaged drafter, in
     order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
     answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget (and how
     long an idle drafting session is kept). ``max_concurrent_requests`` per verifier replica.
@@ -328,7 +339,7 @@ class ServeConfig(Strict):
     app_name: str = "taps"
     model_name: str | None = None
     strategy: str = "single"
-    drafters: dict[str, DrafterServeConfig] = Field(default_factory=lambda: {"default": DrafterServeConfig()})
+    drafters: dict[str, DrafterServeConfig] = Field(default_factory=lambda: default_serve_drafters())
     default_drafters: list[str] | None = None
     draft_deadline_s: float = Field(default=1.0, ge=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
