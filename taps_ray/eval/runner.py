@@ -64,7 +64,8 @@ class EvalPlan:
     """Everything a worker needs, resolved from the config (plain data, sent to Ray actors).
 
     ``strategies`` are concrete names in run order (vanilla first); ``drafters`` name -> folder or
-    ``random:SEED``; ``compose`` the drafters that composed strategies combine, in order.
+    ``random:SEED``; ``compose`` the drafters that composed strategies combine, in order;
+    ``excluded_prompts`` a digest of the training prompts those drafters record (None: none recorded).
     """
 
     target: dict
