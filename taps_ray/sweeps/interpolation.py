@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from taps_ray.config import TreeConfig
+from taps_ray.data.contamination import write_averaged
 from taps_ray.models.drafter import DraftHead, average_drafters
+from taps_ray.models.release import resolve_drafter_dir
 from taps_ray.spec.compose import check_drafters
 from taps_ray.spec.decoder import load_drafter
 from taps_ray.sweeps.config import InterpolationSweepSpec
@@ -70,6 +72,7 @@ def interpolation_trial(config: dict, context: InterpolationContext) -> None:
     merged.metadata.update(name=f"{context.spec.name}-{folder.name}",
                            averaged_from={n: context.drafters[n] for n in names}, weights=weights)
     drafter_dir = merged.save(folder / "drafter", target.fingerprint)
+    write_averaged(drafter_dir, [resolve_drafter_dir(source) for source in context.drafters.values()])
     taus = domain_taus(target, merged, context.prompts, TreeConfig(**context.tree), context.spec.eval.max_new_tokens)
     metrics = tau_metrics(taus)
     tune.report({
