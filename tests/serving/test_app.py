@@ -56,7 +56,7 @@ def served(ray_session, one_thread, embedded_target):
     prompt: greedy decoding with the same fresh drafter (seed 0) as drafter ``a``."""
     port = _free_port()
     cfg = load_config(None, [
-        f"tree={json.dumps(TREE)}", "target.threads=1",
+        f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
         "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
         "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
     ])
