@@ -63,7 +63,7 @@ def test_worker_output_stdout_on_the_console_the_rest_in_the_file(capsys, ray_lo
     assert "(pid=raylet) A worker died or was killed" in text
 
 
-def test_stopping_restores_the_console(tmp_path, capfd):
+def test_stopping_restores_the_console(tmp_path):
     import ray._private.worker as ray_worker
 
     ray_print = ray_worker.print_worker_logs
@@ -79,9 +79,16 @@ def test_stopping_restores_the_console(tmp_path, capfd):
     assert ray_utils.ray_log() is None and ray_worker.print_worker_logs is ray_print
     assert [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)] == console
     assert logging.getLogger("ray").propagate is False and logging.getLogger("ray.tune").propagate is True
-    if console:  # Ray's own console handler (importing some of Ray's libraries first leaves none)
-        logging.getLogger("ray").warning("back on the console")
-        assert "back on the console" in capfd.readouterr().err
+    import io
+
+    for handler in console:  # Ray's console handler writes where it did before (its own stream, e.g. stderr)
+        stream = io.StringIO()
+        previous = handler.setStream(stream)
+        try:
+            logging.getLogger("ray.tune").warning("back on the console")
+        finally:
+            handler.setStream(previous)
+        assert "back on the console" in stream.getvalue()
 
 
 def test_native_log_lines_on_stderr_go_to_the_file(capfd, tmp_path):
