@@ -83,11 +83,11 @@ def test_stopping_restores_the_console(tmp_path):
 
     for handler in console:  # Ray's console handler writes where it did before (its own stream, e.g. stderr)
         stream = io.StringIO()
-        previous = handler.setStream(stream)
+        previous, handler.stream = handler.stream, stream
         try:
             logging.getLogger("ray.tune").warning("back on the console")
         finally:
-            handler.setStream(previous)
+            handler.stream = previous
         assert "back on the console" in stream.getvalue()
 
 
