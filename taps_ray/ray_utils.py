@@ -229,7 +229,10 @@ def _route_loggers() -> None:
     have configured them since)."""
     import ray  # noqa: F401  (its import gives the "ray" logger a console handler; replace it after)
 
-    for name in (*RAY_LOGGERS, WORKER_OUTPUT_LOGGER, NATIVE_LOGGER):
+    detached = [name for name, logger in logging.Logger.manager.loggerDict.items()
+                if name.startswith("ray.") and isinstance(logger, logging.Logger) and not logger.propagate
+                and name not in RAY_LOGGERS]  # e.g. Train v2's own loggers: they would bypass the file
+    for name in (*RAY_LOGGERS, *detached, WORKER_OUTPUT_LOGGER, NATIVE_LOGGER):
         logger = logging.getLogger(name)
         if name not in _routing.saved:
             _routing.saved[name] = ([h for h in logger.handlers if _is_console(h)], logger.propagate, logger.level)

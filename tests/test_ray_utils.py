@@ -27,9 +27,12 @@ def test_a_ray_warning_lands_in_the_file_not_on_stderr(capsys, ray_log, monkeypa
     import ray.data  # noqa: F401  (its import gives "ray.data" a console handler; init_ray routes again after it)
 
     for name in ("ray.data._internal.execution.resource_manager", "ray.tune", "ray.train.v2"):
-        logger = logging.getLogger(name)  # earlier Tune/Train runs in this process may have raised these
+        logger = logging.getLogger(name)  # earlier Tune/Train runs in this process may have changed these
         monkeypatch.setattr(logger, "level", logging.NOTSET)
         monkeypatch.setattr(logger, "disabled", False)
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "handlers", [])
+    ray_utils.route_ray_logs(ray_log)
 
     assert ray_utils.route_ray_logs(ray_log) == ray_log and ray_utils.ray_log() == ray_log and ray_log.is_file()
     for name in ("ray.data._internal.execution.resource_manager", "ray.tune", "ray.train.v2", "ray"):
@@ -63,7 +66,20 @@ def test_worker_output_stdout_on_the_console_the_rest_in_the_file(capsys, ray_lo
     assert "(pid=raylet) A worker died or was killed" in text
 
 
-def test_stopping_restores_the_console(tmp_path):
+def test_a_library_logger_that_does_not_propagate_is_routed_too(ray_log, monkeypatch):
+    detached = logging.getLogger("ray.train.v2._internal.example")
+    monkeypatch.setattr(detached, "propagate", False)
+    monkeypatch.setattr(detached, "handlers", [logging.StreamHandler()])
+    ray_utils.route_ray_logs(ray_log.parent / "other.log")
+    detached.warning("detached warning")
+    assert "detached warning" in (ray_log.parent / "other.log").read_text()
+    assert not [h for h in detached.handlers if ray_utils._is_console(h)]
+
+
+def test_stopping_restores_the_console(tmp_path, monkeypatch):
+    tune = logging.getLogger("ray.tune")  # earlier Tune runs in this process may have raised its level
+    monkeypatch.setattr(tune, "level", logging.NOTSET)
+    monkeypatch.setattr(tune, "disabled", False)
     import ray._private.worker as ray_worker
 
     ray_print = ray_worker.print_worker_logs
