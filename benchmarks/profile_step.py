@@ -1,6 +1,6 @@
 """Where a speculative step's time goes, next to a vanilla step, on the default target and dtype.
 
-    python benchmarks/profile_step.py configs/demo.yaml --drafter release:math --limit 3 --max-new-tokens 64
+    python benchmarks/profile_step.py configs/demo.yaml [target.dtype=float32] --drafter DIR --limit 3
 
 Decodes each prompt greedily twice (vanilla, then one drafter with the config's tree) through the
 core's own functions, timing each part of every step with wall clock: drafting, tree attention
@@ -98,12 +98,13 @@ def speculative(target: TargetModel, drafter, tree_cfg, ids: torch.Tensor, max_n
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. target.dtype=float32")
     parser.add_argument("--drafter", default=None, help="folder or release:NAME (default: untrained)")
     parser.add_argument("--benchmark", default="gsm8k")
     parser.add_argument("--limit", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     target = TargetModel.load(cfg.target)
     drafter = load_drafter(target, args.drafter)
     prompts = benchmark_prompts(target, args.benchmark, args.limit)
