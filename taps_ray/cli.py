@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Loading weights" bars, here and in actors
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     _, _, run = COMMANDS[args.command]
     ray_log = _route_ray_logs(args)
     try:
