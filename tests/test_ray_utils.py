@@ -32,6 +32,9 @@ def test_a_ray_warning_lands_in_the_file_not_on_stderr(capsys, ray_log, monkeypa
         monkeypatch.setattr(logger, "disabled", False)
         monkeypatch.setattr(logger, "propagate", True)
         monkeypatch.setattr(logger, "handlers", [])
+    for name in ("ray.data", "ray.tune", "ray.train"):  # Train v2 runs raise "ray.train" to ERROR, for one
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
     ray_utils.route_ray_logs(ray_log)
 
     assert ray_utils.route_ray_logs(ray_log) == ray_log and ray_utils.ray_log() == ray_log and ray_log.is_file()
@@ -68,6 +71,8 @@ def test_worker_output_stdout_on_the_console_the_rest_in_the_file(capsys, ray_lo
 
 def test_a_library_logger_that_does_not_propagate_is_routed_too(ray_log, monkeypatch):
     detached = logging.getLogger("ray.train.v2._internal.example")
+    monkeypatch.setattr(detached, "level", logging.INFO)  # not whatever earlier runs left on its ancestors
+    monkeypatch.setattr(detached, "disabled", False)
     monkeypatch.setattr(detached, "propagate", False)
     monkeypatch.setattr(detached, "handlers", [logging.StreamHandler()])
     ray_utils.route_ray_logs(ray_log.parent / "other.log")
