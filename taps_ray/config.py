@@ -325,8 +325,8 @@ class ServeConfig(Strict):
     """``taps serve``: Drafter deployments, one Verifier (the target) and the OpenAI-compatible ingress.
 
     ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder or ``release:NAME``
-    (default: :func:`default_serve_drafters`). ``strategy`` and ``default_drafters`` (None: every non-averaged drafter, in
-    order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
+    (default: :func:`default_serve_drafters`). ``strategy`` and ``default_drafters`` (None: every
+    non-averaged drafter, in order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
     answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget (and how
     long an idle drafting session is kept). ``max_concurrent_requests`` per verifier replica.
     ``route_probe_steps`` / ``route_recheck_every``: request-granularity routing probes with every
@@ -339,7 +339,7 @@ class ServeConfig(Strict):
     app_name: str = "taps"
     model_name: str | None = None
     strategy: str = "single"
-    drafters: dict[str, DrafterServeConfig] = Field(default_factory=lambda: default_serve_drafters())
+    drafters: dict[str, DrafterServeConfig] = Field(default_factory=default_serve_drafters)
     default_drafters: list[str] | None = None
     draft_deadline_s: float = Field(default=1.0, ge=0)
     request_timeout_s: float = Field(default=300.0, gt=0)

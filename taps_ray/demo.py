@@ -2,13 +2,14 @@
 
 prepare (target features, cached) -> train (every variant concurrently; finished drafters are
 kept) -> eval (the config's ``eval`` section: benchmarks x strategies over the trained drafters;
-finished records are kept) -> the shipped release drafters (``release:math``/``release:chat``) under
-:data:`RELEASE_STRATEGIES` on the same questions, when the package has them -> interpolation sweep (``tune/interpolation.yaml`` over the ``math``
-and ``chat`` drafters; a finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the
-sweep's plot and the release drafters' tau and speed tables). ``full`` applies :data:`FULL`: a separate run (``demo-full``) whose math drafters
-learn from the target's own answers to the GSM8K-train questions (self-distillation), with more
-training and larger evaluation limits. Prints the tau table, the claims, each stage's wall time and the
-report's path.
+finished records are kept) -> the shipped release drafters (``release:math``, ``release:chat``)
+under :data:`RELEASE_STRATEGIES` on the same questions, when the package has them ->
+interpolation sweep (``tune/interpolation.yaml`` over the ``math`` and ``chat`` drafters; a
+finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the sweep's plot and the
+release drafters' tau and speed tables). ``full`` applies :data:`FULL`: a separate run
+(``demo-full``) whose math drafters learn from the target's own answers (self-distillation), with
+more training and larger evaluation limits. Prints the tau table, the claims, each stage's wall
+time and the report's path.
 """
 
 from __future__ import annotations
