@@ -181,8 +181,9 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, directory: str | Path, target_config, fingerprint: TargetFingerprint,
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
-        """Load a checkpoint saved by :meth:`save` (a folder or ``release:NAME``); fails if it was trained
-        for another target."""
+        """Load a checkpoint saved by :meth:`save` or an EAGLE-1/EAGLE-2 folder (see
+        :mod:`taps_ray.models.eagle_format`), a folder or ``release:NAME``; fails if it was trained for
+        another target."""
         try:
             directory = resolve_drafter_dir(directory)
         except ReleaseDrafterError as err:
@@ -194,8 +195,13 @@ class DraftHead(nn.Module):
         except (OSError, json.JSONDecodeError) as err:
             raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {CONFIG_NAME}: {err}") from err
         if meta.get("architecture") != ARCHITECTURE:
+            from taps_ray.models.eagle_format import is_eagle_config, load_eagle
+
+            if is_eagle_config(meta):
+                return load_eagle(directory, meta, target_config, fingerprint, device, dtype)
             raise DrafterLoadError(
-                f"drafter {str(directory)!r}: architecture {meta.get('architecture')!r}, expected {ARCHITECTURE!r}"
+                f"drafter {str(directory)!r}: architecture {meta.get('architecture')!r}, expected {ARCHITECTURE!r} "
+                f"or an EAGLE-1/EAGLE-2 checkpoint"
             )
         problem = fingerprint.mismatch(meta.get("target", {}))
         if problem:
