@@ -327,6 +327,44 @@ def _run_average(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- export --------------------------------------------------------------------------------------
+
+def _add_export(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafter", metavar="DRAFTER", help="drafter checkpoint folder or release:NAME")
+    parser.add_argument("--format", required=True, choices=["eagle"],
+                        help="eagle: an EAGLE-1/EAGLE-2 folder (SafeAILab layout) that vLLM and SGLang load")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (an earlier export there is replaced)")
+    parser.add_argument("--engine", choices=["sglang", "vllm"], default="sglang",
+                        help="the engine the folder is for (default: %(default)s; its layout is also SafeAILab "
+                             "EAGLE's): they differ in the architecture name and in how they treat fc.bias")
+    parser.add_argument("--drop-fc-bias", action="store_true",
+                        help="write the drafter without its fc bias (needed for vLLM, whose EAGLE head has none; "
+                             "outputs stay exact, acceptance may drop)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from taps_ray.models.drafter import DrafterLoadError
+    from taps_ray.models.eagle_format import export_eagle, load_taps_drafter
+
+    try:
+        head, fingerprint, source = load_taps_drafter(args.drafter)
+    except DrafterLoadError as err:
+        raise UserError(str(err)) from err
+    if Path(args.out).resolve() == source.resolve():
+        raise UserError(f"--out {args.out!r} is the drafter's own folder; choose another")
+    done = export_eagle(head, args.out, fingerprint, engine=args.engine, drop_fc_bias=args.drop_fc_bias,
+                        source=source)
+    print(f"wrote {done.path} (EAGLE-1/EAGLE-2 for {done.engine}, bias: {str(done.bias).lower()}"
+          + (", fc.bias dropped" if done.fc_bias_dropped else "") + ")")
+    if done.engine == "vllm":
+        print(f"""  vLLM: LLM(model=..., speculative_config={{"method": "eagle", "model": "{done.path}", """
+              f""""num_speculative_tokens": 5}})""")
+    else:
+        token_map = f" --speculative-token-map {done.token_map}" if done.token_map else ""
+        print(f"  SGLang: --speculative-algorithm EAGLE --speculative-draft-model-path {done.path}{token_map}")
+    return 0
+
+
 # -- serve ---------------------------------------------------------------------------------------
 
 def _add_serve(parser: argparse.ArgumentParser) -> None:
@@ -383,6 +421,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "eval": ("benchmarks x strategies x temperatures on Ray actors, then the report", _add_eval, _run_eval),
     "report": ("regenerate an evaluation run's report from its records", _add_report, _run_report),
     "average": ("average drafter checkpoints in weight space", _add_average, _run_average),
+    "export": ("write a drafter as an EAGLE-1/EAGLE-2 folder for vLLM or SGLang", _add_export, _run_export),
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
     "train": ("train drafter variants concurrently with Ray Train", _add_train, _run_train),
     "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)", _add_serve, _run_serve),

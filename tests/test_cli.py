@@ -32,3 +32,34 @@ def test_overrides_may_follow_the_flags_and_stray_arguments_are_rejected(capsys)
         with pytest.raises(SystemExit) as err:
             parse(bad)
         assert err.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_export_writes_an_eagle_folder_that_loads_back(tmp_path, capsys):
+    import torch
+
+    from taps_ray.cli import main
+    from taps_ray.models.drafter import DraftHead
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target(0)
+    head = DraftHead(target.config, draft_to_target=torch.arange(50, 150), seed=4, metadata={"name": "math"})
+    with torch.no_grad():
+        head.fc.bias.fill_(0.5)
+    own = head.save(tmp_path / "math", target.fingerprint)
+    assert main(["export", str(own), "--format", "eagle", "--out", str(tmp_path / "eagle")]) == 0
+    out = capsys.readouterr().out
+    assert "bias: true" in out and f"--speculative-draft-model-path {tmp_path / 'eagle'}" in out
+    assert f"--speculative-token-map {tmp_path / 'eagle' / 'hot_token_map.pt'}" in out
+    loaded = DraftHead.load(tmp_path / "eagle", target.config, target.fingerprint)
+    assert all(torch.equal(loaded.trainable_state()[k], v) for k, v in head.trainable_state().items())
+    assert torch.equal(loaded.draft_to_target, head.draft_to_target)
+
+    eagle = str(tmp_path / "eagle")
+    refusals = {
+        "reduced vocabulary of 100 tokens": [str(own), "--out", str(tmp_path / "x"), "--engine", "vllm"],
+        "is the drafter's own folder": [str(own), "--out", str(own)],
+        "already an EAGLE checkpoint": [eagle, "--out", str(tmp_path / "x")],
+    }
+    for message, argv in refusals.items():
+        assert main(["export", *argv, "--format", "eagle"]) == 2
+        assert message in capsys.readouterr().err
