@@ -306,23 +306,40 @@ def _num_actors(cfg: ExperimentConfig) -> int:
     return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
-def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], label: str = "") -> list[list[dict]]:
-    import ray
+def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], target, label: str = "") -> list[list[dict]]:
+    """Each conversation's prompt (its first system/user turns) answered by the target.
 
-    quiet_ray_data()
+    Responses already in the :class:`~taps_ray.data.regeneration.ResponseStore` are reused; the
+    rest are decoded by Ray Data target actors (prompts sorted by length, so a batch pads little)
+    and stored as each batch arrives, so an interrupted run loses at most the batches in flight.
+    """
+    from taps_ray.data.regeneration import ResponseStore, prompt_key
+
     regen = cfg.data.features.regeneration
     prompts = [[m for m in conv if m["role"] != "assistant"][:2] for conv in conversations]
-    items = [{"row_id": i, "messages": json.dumps(p)} for i, p in enumerate(prompts)]
-    ds = ray.data.from_items(items).map_batches(
-        RegenerateActor,
-        fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "regeneration": regen.model_dump(),
-                               "label": f"{label}: regenerating", "total_rows": len(items)},
-        batch_size=regen.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=_num_actors(cfg)),
-        **_actor_options(),
-    )
-    rows = sorted(ds.take_all(), key=lambda r: r["row_id"])
-    return [json.loads(r["messages"]) + [{"role": "assistant", "content": r["response"].strip()}] for r in rows]
+    keys = [prompt_key(p) for p in prompts]
+    store = ResponseStore.open(target.fingerprint.to_dict(), f"{target.device.type}:{target.describe()['dtype']}", regen)
+    missing = sorted({k: i for i, k in enumerate(keys) if store.get(k) is None}.values(),
+                     key=lambda i: len(json.dumps(prompts[i])))
+    log.info("%s: %d of %d responses already in %s; generating %d", label, len(keys) - len(missing), len(keys),
+             store.path, len(missing))
+    if missing:
+        import ray
+
+        quiet_ray_data()
+        items = [{"row_id": i, "messages": json.dumps(prompts[i])} for i in missing]
+        ds = ray.data.from_items(items).map_batches(
+            RegenerateActor,
+            fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "regeneration": regen.model_dump(),
+                                   "label": f"{label}: regenerating", "total_rows": len(items)},
+            batch_size=regen.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=_num_actors(cfg)),
+            **_actor_options(),
+        )
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            store.add([(keys[int(i)], str(r).strip()) for i, r in zip(batch["row_id"], batch["response"], strict=True)])
+    return [prompt + [{"role": "assistant", "content": store.get(key)}]
+            for prompt, key in zip(prompts, keys, strict=True)]
 
 
 def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, label: str = "features") -> None:
@@ -370,7 +387,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     regenerated = 0
     if source.prompt_only and conversations:
         log.info("%s: generating %d responses with the target (self-distillation)", name, len(conversations))
-        conversations = _regenerate(cfg, conversations, name)
+        conversations = _regenerate(cfg, conversations, target, name)
         regenerated = len(conversations)
     max_len = cfg.data.features.max_len
     skipped = dict(getattr(source, "skipped", {}) or {})

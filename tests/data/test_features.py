@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from taps_ray.config import load_config
-from taps_ray.data import features
+from taps_ray.data import features, regeneration
 from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
 from taps_ray.data.features import (
     MANIFEST,
@@ -136,6 +136,7 @@ def test_feature_key_depends_on_max_len_and_target(tmp_path):
 @pytest.mark.integration
 def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, embedded_target, ray_session):
     monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
+    monkeypatch.setattr(regeneration, "regenerations_root", lambda: tmp_path / "regenerations")
     data = tmp_path / "problems.jsonl"
     _write_jsonl(data, [{"problem": "What is 3 + 4?"}, {"problem": "Name a prime number."}])
     cfg_path = tmp_path / "cfg.yaml"
@@ -155,3 +156,6 @@ def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, 
         greedy = embedded_target.model.generate(prompt[None], max_new_tokens=12, do_sample=False)[0, prompt.numel():]
         assistant = tok.decode(row["input_ids"][row["loss_mask"].bool()]).replace("<|im_end|>", "")
         assert assistant.strip() and assistant.strip() == tok.decode(greedy, skip_special_tokens=True).strip()
+    stored = [json.loads(line) for path in (tmp_path / "regenerations").glob("*.jsonl")
+              for line in path.read_text().splitlines()]
+    assert len(stored) == 2 and all(entry["response"] for entry in stored)

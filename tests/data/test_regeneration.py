@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from taps_ray.config import ExperimentConfig, RegenerationConfig
+from taps_ray.data import features, regeneration
+from taps_ray.data.regeneration import ResponseStore, prompt_key, store_key
+
+FP = {"name": "t", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
+
+
+def test_store_key_ignores_batch_size_but_not_what_decides_the_response():
+    base = store_key(FP, "cpu:bfloat16", RegenerationConfig())
+    assert base == store_key(FP, "cpu:bfloat16", RegenerationConfig(batch_size=64))
+    assert base == store_key({**FP, "name": "renamed"}, "cpu:bfloat16", RegenerationConfig())
+    assert base != store_key(FP, "cpu:float32", RegenerationConfig())
+    assert base != store_key(FP, "cpu:bfloat16", RegenerationConfig(max_new_tokens=7))
+    assert base != store_key({**FP, "embed_hash": "abd"}, "cpu:bfloat16", RegenerationConfig())
+
+
+def test_prompt_key_depends_on_roles_and_order():
+    user = [{"role": "user", "content": "2+2?"}]
+    assert prompt_key(user) == prompt_key([dict(user[0])])
+    assert prompt_key(user) != prompt_key([{"role": "system", "content": "2+2?"}])
+    assert prompt_key([{"role": "system", "content": "a"}, *user]) != prompt_key([*user, {"role": "system", "content": "a"}])
+
+
+def test_store_persists_and_survives_a_torn_line(tmp_path):
+    path = tmp_path / "s.jsonl"
+    store = ResponseStore(path)
+    store.add([("k1", "one"), ("k2", "two\nlines")])
+    with path.open("a") as fh:
+        fh.write('{"prompt": "k3", "resp')
+    reopened = ResponseStore(path)
+    assert len(reopened) == 2 and reopened.get("k2") == "two\nlines" and reopened.get("k3") is None
+    reopened.add([("k3", "three")])
+    again = ResponseStore(path)
+    assert again.get("k3") == "three" and len(again) == 3
+    assert all(json.loads(line)["prompt"] for line in path.read_text().splitlines()[-1:])
+
+
+class _FakeTarget:
+    class device:
+        type = "cpu"
+
+    class fingerprint:
+        @staticmethod
+        def to_dict():
+            return FP
+
+    @staticmethod
+    def describe():
+        return {"dtype": "bfloat16"}
+
+
+def test_regenerate_reuses_stored_responses_without_decoding(tmp_path, monkeypatch):
+    monkeypatch.setattr(regeneration, "regenerations_root", lambda: tmp_path)
+    cfg = ExperimentConfig()
+    conversations = [[{"role": "user", "content": q}] for q in ("a?", "b?")]
+    store = ResponseStore.open(FP, "cpu:bfloat16", cfg.data.features.regeneration)
+    store.add([(prompt_key(c), f"answer {c[0]['content']}") for c in conversations])
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("every response is stored; nothing should be decoded")
+
+    monkeypatch.setattr(features, "RegenerateActor", no_ray)
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)
+    out = features._regenerate(cfg, conversations, _FakeTarget(), "math")
+    assert [c[-1] for c in out] == [{"role": "assistant", "content": "answer a?"},
+                                    {"role": "assistant", "content": "answer b?"}]
+    with pytest.raises(ImportError):
+        features._regenerate(cfg, [[{"role": "user", "content": "new?"}]], _FakeTarget(), "math")
