@@ -23,7 +23,7 @@ from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.strategy import STRATEGY_NAMES
-from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+from taps_ray.spec.tree import DrafterState, DraftTree, check_distinct_siblings, draft_tree, repeated_siblings
 from taps_ray.spec.verify import (
     Verdict,
     compact_target,
@@ -57,6 +57,9 @@ class Strategy(Protocol):
     shared prefix (None: decode one token plainly); ``advance`` hands over the pairs of the
     accepted tokens (``tokens`` [k + 1] accepted + bonus, ``features`` [k + 1, H] target features
     at the root and the accepted nodes).
+
+    A proposed tree must be drafted from ``state.prefix_len`` and its siblings must carry distinct
+    tokens; :func:`generate` refuses any other tree with a RuntimeError naming the strategy.
     """
 
     name: str
@@ -277,6 +280,7 @@ def generate(
             if tree.prefix_len != r:
                 raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
                                    f"the target is at {r}")
+            proposed, repeated = tree, repeated_siblings(tree.tokens, tree.parent)  # read at the walk's sync
             if tree.size > target.max_context - r:
                 tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
             out = run_tree(target, tree, cache)
@@ -286,6 +290,11 @@ def generate(
             else:
                 verdict = verify_sampling(tree, logits, sampling.temperature, sampling.top_p, sampling.top_k,
                                           generator)
+            if bool(repeated):
+                try:
+                    check_distinct_siblings(proposed.tokens, proposed.parent)
+                except ValueError as err:
+                    raise RuntimeError(f"strategy {strategy.name!r} proposed an invalid tree: {err}") from None
             compact_target(cache, tree, verdict)
             new, features = verdict.tokens, out.hidden[0, verdict.path]
             accepted, tree_size, tree_depth = verdict.accepted, tree.size, tree.depth.max()

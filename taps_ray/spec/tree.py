@@ -6,6 +6,9 @@ length (number of target KV entries before the root; the root sits at position `
 
 Every tree keeps its nodes in an order where parents precede children (``parent[i] < i``), so any
 index prefix ``0..n-1`` is itself a tree and level-by-level loops never need per-node Python work.
+Siblings carry distinct tokens (:func:`check_distinct_siblings`): the lossless T>0 acceptance rule
+(:func:`taps_ray.spec.verify.verify_sampling`) assumes it; recursive rejection over children ``b, c, c``
+would offer c twice and bias the output at T>0.
 """
 
 from __future__ import annotations
@@ -97,6 +100,29 @@ def rerank(score: torch.Tensor, n: int) -> torch.Tensor:
     return order.sort().values
 
 
+_KEY_SPAN = 1 << 32  # (parent, token) -> parent * span + token is injective for token ids in [0, 2**32)
+
+
+def repeated_siblings(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: whether two children of one node carry the same token.
+
+    ``tokens`` [N], ``parent`` [N] long (as in :class:`DraftTree`). One sort of N keys, no host sync.
+    """
+    key = (parent * _KEY_SPAN + tokens).sort().values
+    return (key[1:] == key[:-1]).any()
+
+
+def check_distinct_siblings(tokens: torch.Tensor, parent: torch.Tensor) -> None:
+    """ValueError naming two sibling nodes that carry the same token (see :func:`repeated_siblings`)."""
+    key, order = (parent * _KEY_SPAN + tokens).sort()
+    same = key[1:] == key[:-1]
+    if bool(same.any()):
+        at = int(same.to(torch.uint8).argmax())
+        a, b = sorted((int(order[at]), int(order[at + 1])))
+        raise ValueError(f"siblings must carry distinct tokens: nodes {a} and {b} (children of node "
+                         f"{int(parent[a])}) both carry token {int(tokens[a])}")
+
+
 def ancestor_mask(parent: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """``mask`` [N, N] bool from ``parent`` [N] (``-1`` for the root).
 
@@ -124,7 +150,8 @@ def build_tree(
     meta: dict | None = None,
 ) -> DraftTree:
     """A :class:`DraftTree` from node ``tokens`` [N] and ``parents`` [N] (``parents[0] == -1``,
-    ``parents[i] < i``). ``score`` defaults to ``-depth`` (shallower first), ``entropy`` to 0.
+    ``parents[i] < i``, siblings with distinct tokens; ValueError naming the first node that breaks a
+    rule). ``score`` defaults to ``-depth`` (shallower first), ``entropy`` to 0.
     """
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     parent = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
@@ -138,6 +165,7 @@ def build_tree(
     if bad.any():
         i = int(bad.nonzero()[0]) + 1
         raise ValueError(f"parents must precede children: node {i} has parent {int(parent[i])}")
+    check_distinct_siblings(tokens, parent)
     mask = ancestor_mask(parent)
     depth = mask.sum(1) - 1
     device = tokens.device
@@ -235,6 +263,8 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     its own cache, scores all K*K children by cumulative log-prob and keeps the global top K as
     the next frontier. Rerank keeps the ``total_tokens - 1`` best of every generated node. The
     expansion KV entries are cropped afterwards; only the committed pairs stay in the cache.
+    Siblings are distinct without a check: each node's children are one top-K over the draft
+    vocabulary, and ``draft_to_target`` is injective (checked when the :class:`DraftHead` is built).
     """
     device = target.device
     tokens, features = state.take_pending()

@@ -12,6 +12,7 @@ from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.spec.decoder import SingleStrategy, Strategy, VanillaStrategy, generate, make_strategy
 from taps_ray.spec.stats import StepRecord, per_depth_acceptance, summarize, tau
+from taps_ray.spec.tree import DraftTree
 from tests.spec.spec_helpers import OracleStrategy, random_prompt
 
 TREES = [TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=0, top_k=1, total_tokens=2),
@@ -166,3 +167,31 @@ def test_tau_and_per_depth_definitions():
     assert metrics.tau == pytest.approx(12 / 5)
     assert metrics.tau_per_question == pytest.approx((4 / 2 + 8 / 3) / 2)
     assert metrics.accept_length_counts == [1, 1, 1, 2]
+
+
+class RepeatingStrategy(SingleStrategy):
+    """A custom strategy whose trees repeat a token among the children of node ``at`` (built as a raw
+    :class:`DraftTree`, past the checks of ``build_tree``)."""
+
+    name = "repeating"
+
+    def __init__(self, drafter, at: int):
+        super().__init__(drafter, TREES[0])
+        self.at = at
+
+    def propose(self, state):
+        tree = super().propose(state)
+        children = (tree.parent == self.at).nonzero().squeeze(1)
+        tokens = tree.tokens.clone()
+        tokens[children[1]] = tokens[children[0]]
+        return DraftTree(tokens, tree.parent, tree.depth, tree.score, tree.entropy, tree.mask, tree.prefix_len)
+
+
+@pytest.mark.parametrize("at", [0, 1])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generate_refuses_a_tree_with_repeated_siblings(peaky_target, at, temperature):
+    prompt = random_prompt(peaky_target, 6, 700)
+    strategy = RepeatingStrategy(DraftHead(peaky_target.config, seed=3), at)
+    with pytest.raises(RuntimeError, match=f"strategy 'repeating' proposed an invalid tree: siblings must carry "
+                                           f"distinct tokens: nodes .* \\(children of node {at}\\)"):
+        generate(peaky_target, prompt, strategy, SamplingConfig(temperature=temperature, seed=0), max_new_tokens=8)

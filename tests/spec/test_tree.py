@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taps_ray.config import TreeConfig
-from taps_ray.spec.tree import DrafterState, build_tree, draft_tree, merge_trees, rerank
+from taps_ray.spec.tree import DrafterState, build_tree, draft_tree, merge_trees, repeated_siblings, rerank
 from tests.spec.spec_helpers import peaky_tiny_target, random_prompt, sharp_drafter
 
 TARGET = peaky_tiny_target(0)
@@ -232,3 +232,16 @@ def test_paths_of_hand_built_tree():
     assert tree.positions.tolist() == [3, 4, 4, 5, 5]
     sub = tree.select(torch.tensor([0, 1, 4]))
     assert sub.tokens.tolist() == [9, 1, 4] and sub.parent.tolist() == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("tokens, parents, message", [
+    ([9, 4, 4], [-1, 0, 0], "nodes 1 and 2 \\(children of node 0\\) both carry token 4"),
+    ([9, 1, 2, 3, 5, 3], [-1, 0, 0, 1, 2, 1], "nodes 3 and 5 \\(children of node 1\\) both carry token 3"),
+])
+def test_build_tree_refuses_repeated_sibling_tokens(tokens, parents, message):
+    with pytest.raises(ValueError, match=message):
+        build_tree(tokens, parents)
+    cousins = build_tree([9, 1, 2, 3, 3], [-1, 0, 0, 1, 2])  # equal tokens under different parents are fine
+    assert cousins.size == 5
+    assert not repeated_siblings(cousins.tokens, cousins.parent)
+    assert repeated_siblings(torch.tensor(tokens), torch.tensor(parents))
