@@ -56,6 +56,33 @@ def drafter_llama_config(target_config) -> LlamaConfig:
     return cfg
 
 
+def check_draft_vocabulary(draft_to_target, vocab_size: int) -> torch.Tensor:
+    """``draft_to_target`` as a LongTensor [V_draft] once it is known to map draft ids one-to-one onto
+    target ids in ``[0, vocab_size)``; ValueError naming the first id out of range, or a repeated id and
+    the two draft ids that map to it.
+
+    A repeated id would make two siblings of a draft tree carry the same token (see
+    :mod:`taps_ray.spec.tree`); one out of range would index past the target's LM head.
+    """
+    ids = torch.as_tensor(draft_to_target)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"draft_to_target must hold integer target ids, got dtype {ids.dtype}")
+    ids = ids.to(torch.long)
+    if ids.dim() != 1 or ids.numel() < 1:
+        raise ValueError(f"draft_to_target must be 1-D with at least one target id, got shape {list(ids.shape)}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        i = int(bad.to(torch.uint8).argmax())
+        raise ValueError(f"draft_to_target[{i}] = {int(ids[i])} is outside the target vocabulary [0, {vocab_size})")
+    ordered, order = ids.sort(stable=True)
+    same = ordered[1:] == ordered[:-1]
+    if bool(same.any()):
+        at = int(same.to(torch.uint8).argmax())
+        raise ValueError(f"draft_to_target repeats target id {int(ordered[at])} (draft ids {int(order[at])} and "
+                         f"{int(order[at + 1])}); each draft id must map to a distinct target id")
+    return ids
+
+
 def causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive mask [1, 1, n, past + n]: the n new positions see the cache and earlier new ones."""
     allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
@@ -66,7 +93,8 @@ class DraftHead(nn.Module):
     """EAGLE-2 draft head sized from ``target_config``.
 
     ``draft_to_target`` (optional LongTensor [V_draft]) restricts drafting to a reduced vocabulary:
-    draft logits are the LM-head rows of those target ids.
+    draft logits are the LM-head rows of those target ids, which must be distinct and in
+    ``[0, vocab_size)`` (ValueError otherwise, see :func:`check_draft_vocabulary`).
     """
 
     def __init__(self, target_config, draft_to_target: torch.Tensor | None = None, seed: int = 0,
@@ -83,7 +111,7 @@ class DraftHead(nn.Module):
         torch.random.set_rng_state(generator_state)
         self.rotary = LlamaRotaryEmbedding(self.config)
         if draft_to_target is not None:
-            draft_to_target = draft_to_target.to(torch.long)
+            draft_to_target = check_draft_vocabulary(draft_to_target, self.config.vocab_size)
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.metadata: dict = dict(metadata or {})
         self.seed = seed
@@ -183,7 +211,7 @@ class DraftHead(nn.Module):
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
         """Load a checkpoint saved by :meth:`save` or an EAGLE-1/EAGLE-2 folder (see
         :mod:`taps_ray.models.eagle_format`), a folder or ``release:NAME``; fails if it was trained for
-        another target."""
+        another target or its ``draft_to_target`` is not a one-to-one map into the target vocabulary."""
         try:
             directory = resolve_drafter_dir(directory)
         except ReleaseDrafterError as err:
@@ -212,6 +240,12 @@ class DraftHead(nn.Module):
             raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {WEIGHTS_NAME}: {err}") from err
         d2t = tensors.pop("draft_to_target", None)
         keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed"}
+        if d2t is not None:
+            try:
+                d2t = check_draft_vocabulary(d2t, fingerprint.vocab_size)
+            except ValueError as err:
+                raise DrafterLoadError(f"drafter {str(directory)!r}: bad draft vocabulary in {WEIGHTS_NAME}: "
+                                       f"{err}") from None
         head = cls(target_config, draft_to_target=d2t, seed=meta.get("seed", 0),
                    metadata={k: v for k, v in meta.items() if k not in keep})
         missing, unexpected = head.load_state_dict(tensors, strict=False)

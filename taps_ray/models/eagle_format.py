@@ -43,6 +43,7 @@ from taps_ray.models.drafter import (
     WEIGHTS_NAME,
     DrafterLoadError,
     DraftHead,
+    check_draft_vocabulary,
     drafter_llama_config,
 )
 from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
@@ -193,10 +194,12 @@ def _read_token_map(directory: Path, name: str, vocab_size: int) -> torch.Tensor
         value = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # missing or corrupt file
         raise DrafterLoadError(f"EAGLE drafter {str(directory)!r}: unreadable token map {name}: {err}") from err
-    ids = torch.as_tensor(value).to(torch.long)
-    if ids.dim() != 1 or ids.numel() < 2 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise DrafterLoadError(f"EAGLE drafter {str(directory)!r}: token map {name} must be a 1-D list of "
-                               f"at least 2 target ids in [0, {vocab_size})")
+    try:
+        ids = check_draft_vocabulary(value, vocab_size)
+        if ids.numel() < 2:
+            raise ValueError(f"it holds {ids.numel()} target id; need at least 2")
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise DrafterLoadError(f"EAGLE drafter {str(directory)!r}: token map {name}: {err}") from None
     return ids
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from taps_ray.models.drafter import DrafterLoadError, DraftHead, average_drafters, read_drafter_meta
 from tests.conftest import make_tiny_target
@@ -150,3 +151,23 @@ def test_rotary_frequencies_stay_float32_in_bf16():
     assert head.rotary.inv_freq.dtype == torch.float32
     fresh = DraftHead(tiny_llama_config())
     torch.testing.assert_close(head.rotary.inv_freq, fresh.rotary.inv_freq, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d2t, message", [
+    ([5, 9, 5, 40], r"repeats target id 5 \(draft ids 0 and 2\)"),
+    ([5, 9, 256, 40], r"draft_to_target\[2\] = 256 is outside the target vocabulary \[0, 256\)"),
+    ([5, -1, 40], r"draft_to_target\[1\] = -1 is outside the target vocabulary \[0, 256\)"),
+    ([5.0, 9.0], "integer target ids, got dtype torch.float32"),
+    ([[5, 9]], r"1-D with at least one target id, got shape \[1, 2\]"),
+])
+def test_bad_draft_vocabulary_is_refused(target, tmp_path, d2t, message):
+    bad = torch.tensor(d2t)
+    with pytest.raises(ValueError, match=message):
+        DraftHead(target.config, draft_to_target=bad)
+    path = DraftHead(target.config, draft_to_target=torch.tensor([5, 9, 17, 40]), seed=2).save(
+        tmp_path / "reduced", target.fingerprint)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["draft_to_target"] = bad
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(DrafterLoadError, match=f"{path.name}.*bad draft vocabulary in model.safetensors: .*{message}"):
+        DraftHead.load(path, target.config, target.fingerprint)

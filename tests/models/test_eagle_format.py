@@ -203,3 +203,16 @@ def test_export_replaces_only_an_earlier_export(target, tmp_path):
     done = export_eagle(head, tmp_path / "other", target.fingerprint)
     with pytest.raises(DrafterLoadError, match="trained for another target: .*embed_hash"):
         DraftHead.load(done.path, other.config, other.fingerprint)
+
+
+@pytest.mark.parametrize("token_map, message", [
+    ([3, 7, 3], r"draft_to_target repeats target id 3 \(draft ids 0 and 2\)"),
+    ([3, 256], r"draft_to_target\[1\] = 256 is outside the target vocabulary \[0, 256\)"),
+    ([3], "it holds 1 target id; need at least 2"),
+])
+def test_import_refuses_a_bad_token_map(target, tmp_path, token_map, message):
+    done = export_eagle(DraftHead(target.config, draft_to_target=torch.arange(10)), tmp_path / "eagle",
+                        target.fingerprint)
+    torch.save(torch.tensor(token_map), str(done.path / TOKEN_MAP_NAME))
+    with pytest.raises(DrafterLoadError, match=f"token map {TOKEN_MAP_NAME}: {message}"):
+        DraftHead.load(done.path, target.config, target.fingerprint)
