@@ -14,7 +14,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test demo lint bench clean-venv
+.PHONY: setup test test-fast demo lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: setup
 	@$(PY) -m pytest -q -ra; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; \
 	exit $$status
+
+# The pure unit tier (no embedded model, no Ray): under a minute.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 demo: setup
 	$(VENV)/bin/taps demo configs/demo.yaml $(if $(filter full,$(DEMO)),--full)

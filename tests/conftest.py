@@ -69,3 +69,16 @@ def ray_session():
     ray = init_ray(num_cpus=4)
     yield ray
     ray.shutdown()
+
+
+SLOW_FIXTURES = {"embedded_target", "ray_session"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that loads the embedded model or starts Ray (by fixture or by the
+    ``integration`` marker); tests that take long otherwise carry ``@pytest.mark.slow`` themselves.
+    ``make test-fast`` runs the rest, the pure unit tier."""
+    slow = pytest.mark.slow
+    for item in items:
+        if item.get_closest_marker("integration") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(slow)

