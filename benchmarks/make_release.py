@@ -22,24 +22,10 @@ import torch
 
 from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, union_trained_prompts
-from taps_ray.eval.bench import benchmark_prompts
+from taps_ray.eval.bench import drafter_tau
 from taps_ray.models.drafter import DraftHead, read_drafter_meta
 from taps_ray.models.release import RELEASE_DIR
 from taps_ray.models.target import TargetModel
-from taps_ray.spec import stats
-from taps_ray.spec.decoder import SingleStrategy, generate
-
-
-def heldout_tau(target: TargetModel, drafter: DraftHead, cfg, benchmark: str, limit: int, max_new_tokens: int,
-                exclude: set[str]) -> dict:
-    """Greedy tau of ``drafter`` with the config's tree on ``limit`` questions of ``benchmark``."""
-    prompts = benchmark_prompts(target, benchmark, limit, exclude=exclude)
-    steps = []
-    for ids in prompts:
-        steps += generate(target, ids, SingleStrategy(drafter, cfg.tree), None, max_new_tokens,
-                          collect_entropy=False).steps
-    return {"benchmark": benchmark, "questions": len(prompts), "tau": round(stats.tau(steps), 3),
-            "max_new_tokens": max_new_tokens}
 
 
 def model_card(name: str, meta: dict, results: list[dict], cfg, command: str, trained: int) -> str:
@@ -94,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if (source / TRAINED_PROMPTS).is_file():
         shutil.copy(source / TRAINED_PROMPTS, out / TRAINED_PROMPTS)
     released = DraftHead.load(out, target.config, target.fingerprint, target.device, target.dtype)
-    results = [heldout_tau(target, released, cfg, b, args.limit, args.max_new_tokens, seen)
+    results = [drafter_tau(target, released, cfg.tree, b, args.limit, args.max_new_tokens, seen)
                for b in (args.benchmark or ["gsm8k"])]
     (out / "README.md").write_text(model_card(args.name, meta, results, cfg, args.command, len(seen)))
     size = sum(p.stat().st_size for p in out.iterdir()) / 2**20

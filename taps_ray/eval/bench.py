@@ -212,6 +212,19 @@ def benchmark_prompts(target: TargetModel, benchmark: str, limit: int, seed: int
     return [target.encode_chat([{"role": "user", "content": q.turns[0]}])[0] for q in questions]
 
 
+def drafter_tau(target: TargetModel, drafter: DraftHead, tree: TreeConfig, benchmark: str, limit: int,
+                max_new_tokens: int, exclude: set[str] | None = None) -> dict:
+    """Greedy tau of ``drafter`` with ``tree`` on ``limit`` questions of ``benchmark`` (those in
+    ``exclude`` dropped first): ``{"benchmark", "questions", "tau", "max_new_tokens"}``."""
+    prompts = benchmark_prompts(target, benchmark, limit, exclude=exclude)
+    steps = []
+    for ids in prompts:
+        steps += generate(target, ids, SingleStrategy(drafter, tree), None, max_new_tokens,
+                          collect_entropy=False).steps
+    return {"benchmark": benchmark, "questions": len(prompts), "tau": round(stats.tau(steps), 3),
+            "max_new_tokens": max_new_tokens}
+
+
 def run_methods(prompts: list[torch.Tensor], methods: dict[str, Method], desc: str = "bench") -> dict[str, list[Run]]:
     """Run every method on every prompt, interleaved prompt by prompt, after one short warm-up each."""
     runs: dict[str, list[Run]] = {name: [] for name in methods}
