@@ -88,14 +88,18 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> Toke
 
 
 def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regeneration: RegenerationConfig) -> str:
-    """Content key of a feature set: target identity, source spec, max_len, regeneration settings."""
+    """Content key of a feature set: target identity, source spec, max_len, regeneration settings.
+
+    ``regeneration.batch_size`` only sets throughput, so it is keyed as its default value: changing
+    it reuses the feature set (and keys of sets prepared before this rule stay the same)."""
+    keyed_regeneration = regeneration.model_copy(update={"batch_size": RegenerationConfig().batch_size})
     payload = {
         "format": FORMAT_VERSION,
         "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},
         "dataset": dataset.model_dump(),
         "data_dir": os.environ.get("TAPS_DATA_DIR", ""),
         "max_len": max_len,
-        "regeneration": regeneration.model_dump(),
+        "regeneration": keyed_regeneration.model_dump(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

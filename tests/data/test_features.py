@@ -129,6 +129,12 @@ def test_feature_key_depends_on_max_len_and_target(tmp_path):
     cfg2 = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
                               "data.features.max_len=99"])
     assert base != feature_set_path(cfg2, "chat", fp)
+    batch = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
+                               "data.features.regeneration.batch_size=64"])
+    assert base == feature_set_path(batch, "chat", fp)
+    longer = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
+                                "data.features.regeneration.max_new_tokens=7"])
+    assert base != feature_set_path(longer, "chat", fp)
     with pytest.raises(ValueError, match="unknown dataset"):
         feature_set_path(cfg, "math", fp)
 
