@@ -31,7 +31,8 @@ class Decoder:
     def __init__(self, config: str, overrides: list[str]):
         from taps_ray.config import load_config
         from taps_ray.models.target import TargetModel
-        from taps_ray.spec.decoder import SingleStrategy, load_drafter
+        from taps_ray.spec.decoder import load_drafter
+        from taps_ray.spec.protocol import SingleStrategy
 
         cfg = load_config(config, overrides)
         self.target = TargetModel.load(cfg.target)

@@ -2,7 +2,8 @@
 
 Each subcommand is a ``(add_arguments, run)`` pair registered in :data:`COMMANDS`; ``run`` gets
 the parsed namespace and returns a process exit code. Errors that are the user's (bad config,
-bad value, missing file) print one clear line and exit 2, never a traceback.
+bad value, missing file) print one clear line and exit 2, never a traceback. Each ``run`` imports
+what its job needs inside it, so ``taps --help`` and the light commands load neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _drafters(target, dirs: list[str], seed: int) -> list:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from taps_ray.models.target import TargetModel
-    from taps_ray.spec.decoder import check_sampling, generate, make_strategy
+    from taps_ray.spec.compose import build_strategy
+    from taps_ray.spec.decoder import check_sampling, generate
 
     cfg = _load(args)
     given = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -102,7 +104,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("--prompt is empty")
     target = TargetModel.load(cfg.target)
     drafters = _drafters(target, args.drafter, cfg.drafter.seed) if args.strategy != "vanilla" else []
-    result = generate(target, args.prompt, make_strategy(args.strategy, drafters, cfg.tree), sampling,
+    result = generate(target, args.prompt, build_strategy(args.strategy, drafters, cfg.tree), sampling,
                       args.max_new_tokens)
     if args.json:
         print(json.dumps(result.to_dict()))

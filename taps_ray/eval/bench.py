@@ -30,7 +30,8 @@ from taps_ray.eval.exactness import ExactnessReport, account
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
-from taps_ray.spec.decoder import SingleStrategy, generate
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import SingleStrategy
 
 PROMPT_LOOKUP_TOKENS = 10
 NAN = float("nan")
@@ -40,7 +41,8 @@ NAN = float("nan")
 class Run:
     """One generation: generated ``tokens``, ``seconds`` wall and ``cpu_seconds`` process time of the
     whole call (prefill included), verification ``steps`` (target forwards after the prefill) and
-    our per-step records (times in CPU seconds) when available."""
+    our per-step records (times in CPU seconds) when available. Every token but the first (from the
+    prefill) was appended by a step."""
 
     tokens: list[int]
     seconds: float
@@ -50,7 +52,7 @@ class Run:
 
     @property
     def tau(self) -> float:
-        return (len(self.tokens) - 1) / self.steps if self.steps else NAN
+        return stats.acceptance_length(len(self.tokens) - 1, self.steps)
 
 
 Method = Callable[[torch.Tensor], Run]
@@ -126,12 +128,11 @@ def summarize_runs(method: str, runs: list[Run], note: str = "") -> MethodRow:
     tokens = sum(len(r.tokens) for r in runs)
     seconds, cpu = sum(r.seconds for r in runs), sum(r.cpu_seconds for r in runs)
     steps = sum(r.steps for r in runs)
-    taus = [r.tau for r in runs if r.steps]
     records = [rec for r in runs for rec in r.records]
     step_ms = 1e3 * sum(rec.draft_s + rec.verify_s for rec in records) / len(records) if records else NAN
     return MethodRow(method, len(runs), tokens, seconds, cpu, tokens / seconds, tokens / cpu,
-                     sum(len(r.tokens) - 1 for r in runs) / steps if steps else NAN,
-                     sum(taus) / len(taus) if taus else NAN, steps, step_ms, note=note)
+                     stats.acceptance_length(sum(len(r.tokens) - 1 for r in runs), steps),
+                     stats.mean_tau(r.tau for r in runs), steps, step_ms, note=note)
 
 
 @dataclass

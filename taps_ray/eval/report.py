@@ -3,8 +3,9 @@
 Every number comes from ``records.jsonl`` with the metric definitions of :mod:`taps_ray.spec.stats`:
 tau = appended tokens / steps over a benchmark's questions (micro; ``tau_q`` is the mean of
 per-question tau), the average column is the mean over benchmarks (paper Table 1). Per-depth
-acceptance at depth d = share of steps with accepted length >= d among those with >= d - 1. A
-question is routed to the drafter that verified most of its steps. Speedup = tokens/s of a
+acceptance at depth d = accepted / (accepted + rejected) draft tokens at d; steps whose accepted
+path ended at a leaf before d tried nothing there and are counted apart (``leaf<d>``), not as
+rejections. A question is routed to the drafter that verified most of its steps. Speedup = tokens/s of a
 strategy / tokens/s of vanilla on the same questions of the same run. The eight claims of the TAPS
 paper (:data:`CLAIMS`; docs/DESIGN.md, "Claims the report checks") are evaluated at temperature 0
 from these tables; drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose
@@ -22,7 +23,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from taps_ray.spec.stats import per_depth_acceptance
+from taps_ray.eval.records import RECORDS, RUN_FILE, read_records
+from taps_ray.spec import stats
 
 MATH_BENCHMARKS = ("gsm8k", "math_500", "svamp")
 CHAT_BENCHMARKS = ("mt_bench",)
@@ -38,8 +40,7 @@ def _mean(values: Iterable[float]) -> float:
 
 
 def _tau(records: list[dict]) -> float:
-    steps = sum(r["steps"] for r in records)
-    return sum(r["appended"] for r in records) / steps if steps else math.nan
+    return stats.acceptance_length(sum(r["appended"] for r in records), sum(r["steps"] for r in records))
 
 
 def _order(names: Iterable[str], reference: Iterable[str]) -> list[str]:
@@ -93,7 +94,7 @@ def tau_table(data: Records) -> list[dict]:
             for b in data.benchmarks:
                 group = data.get(t, s, b)
                 row[b] = _tau(group) if group else math.nan
-                row[f"{b}_tau_q"] = _mean(r["tau"] for r in group)
+                row[f"{b}_tau_q"] = stats.mean_tau(r["tau"] for r in group)
                 row[f"{b}_n"] = len(group)
             row["avg"] = _mean(row[b] for b in data.benchmarks)
             rows.append(row)
@@ -151,23 +152,30 @@ def entropy_table(data: Records) -> list[dict]:
     return rows
 
 
-def depth_curve(group: list[dict]) -> tuple[list[float], list[int]]:
-    """Per-depth acceptance rates and the number of steps that reached each depth."""
-    lengths = [a for r in group for a in r["accepted"]]
+def _rejected(record: dict) -> list[bool]:
+    """Per step: whether a draft token was rejected (records without ``rejected`` tell it by the
+    rejected token's entropy, None when the path ended at a leaf)."""
+    if "rejected" in record:
+        return record["rejected"]
+    return [e is not None for e in record.get("rejected_draft_entropy", [None] * len(record["accepted"]))]
+
+
+def depth_counts(group: list[dict]) -> stats.DepthCounts:
+    """Per-depth accepted / rejected / ended-at-a-leaf step counts of records, depth 1 .. the deepest tree."""
     max_depth = max((d for r in group for d in r.get("tree_depth", [])), default=0)
-    rates = per_depth_acceptance(lengths, max_depth)
-    support = [sum(1 for a in lengths if a >= d - 1) for d in range(1, len(rates) + 1)]
-    return rates, support
+    outcomes = (stats.step_outcome(a, rej) for r in group for a, rej in zip(r["accepted"], _rejected(r)))
+    return stats.depth_counts(outcomes, max_depth)
 
 
 def depth_table(data: Records) -> list[dict]:
-    """Rows (temperature, strategy, benchmark | all): acceptance rate at depth 1..D+1, steps reaching each."""
+    """Rows (temperature, strategy, benchmark | all), per depth d = 1 .. D+1: acceptance ``d<d>`` of the
+    tokens tried there, tokens tried ``n<d>``, steps whose path ended at a leaf before d ``leaf<d>``."""
     rows = []
     for t, s, b, group in speculative_groups(data):
-        rates, support = depth_curve(group)
+        counts = depth_counts(group)
         row = {"temperature": t, "strategy": s, "benchmark": b}
-        for d, (rate, n) in enumerate(zip(rates, support), start=1):
-            row[f"d{d}"], row[f"n{d}"] = rate, n
+        for d, (rate, n, leaf) in enumerate(zip(counts.rates(), counts.tried, counts.leaf), start=1):
+            row[f"d{d}"], row[f"n{d}"], row[f"leaf{d}"] = rate, n, leaf
         rows.append(row)
     return rows
 
@@ -256,8 +264,8 @@ CLAIMS = {
     6: "Confidence routing sends most math questions to the math drafter and most MT-Bench questions to the "
        "chat drafter; entropy routing separates them less clearly.",
     7: "Rejected draft tokens have a higher draft entropy than accepted ones.",
-    8: "The acceptance rate declines with draft depth (share of steps accepting depth d among those that "
-       "accepted depth d - 1).",
+    8: "The acceptance rate declines with draft depth (share of the draft tokens tried at depth d that are "
+       "accepted).",
 }
 """The claims of the TAPS paper the report checks, as measured here (docs/DESIGN.md, "Claims the report checks")."""
 
@@ -383,16 +391,17 @@ def evaluate_claims(tables: dict, data: Records) -> list[dict]:
                           f"pooled over strategies; higher at rejected in {per}/{len(pooled)} strategies"))
 
     spec = [r for s in data.speculative(0.0) for r in data.get(0.0, s)]
-    rates, support = depth_curve(spec) if spec else ([], [])
-    kept = [(d, rate) for d, (rate, n) in enumerate(zip(rates, support), start=1) if n >= MIN_DEPTH_SUPPORT]
+    counts = depth_counts(spec) if spec else stats.DepthCounts([], [], [])
+    kept = [(d, rate) for d, (rate, n) in enumerate(zip(counts.rates(), counts.tried), start=1)
+            if n >= MIN_DEPTH_SUPPORT]
     if len(kept) < 2:
-        out.append(_claim(8, CLAIMS[8], MISSING, f"needs at least two depths reached by >= {MIN_DEPTH_SUPPORT} steps at T=0"))
+        out.append(_claim(8, CLAIMS[8], MISSING, f"needs at least two depths tried by >= {MIN_DEPTH_SUPPORT} steps at T=0"))
     else:
         holds = all(b[1] <= a[1] for a, b in zip(kept, kept[1:])) and kept[-1][1] < kept[0][1]
         out.append(_claim(8, CLAIMS[8], HOLDS if holds else FAILS,
                           "acceptance rate by depth, pooled over strategies: "
                           + ", ".join(f"d{d} {_f(rate)}" for d, rate in kept)
-                          + f" (depths reached by >= {MIN_DEPTH_SUPPORT} steps)"))
+                          + f" (depths tried by >= {MIN_DEPTH_SUPPORT} steps)"))
     return out
 
 
@@ -420,7 +429,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def _plots(out: Path, tables: dict, data: Records) -> list[str]:
-    import matplotlib
+    import matplotlib  # only when plots are drawn: the tables need none of it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -475,7 +484,7 @@ def _plots(out: Path, tables: dict, data: Records) -> list[str]:
 
 
 def _save(fig, path: Path) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # loaded by _plots, which calls this
 
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -534,9 +543,12 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
         if rows:
             depths = sorted({int(k[1:]) for r in rows for k in r if k.startswith("d") and k[1:].isdigit()})
             lines += ["### Acceptance rate by depth (Tables 5-7)", "",
-                      "Share of steps accepting depth d among those that accepted depth d-1, all benchmarks; "
-                      "per benchmark in `tables/acceptance_by_depth.csv`.", "",
-                      markdown_table(rows, ["strategy", *[f"d{d}" for d in depths]]), ""]
+                      "Share of the draft tokens tried at depth d that were accepted, all benchmarks; a step "
+                      "whose accepted path ended at a leaf before d tried nothing at d and is not a rejection. "
+                      "Per benchmark, with the tokens tried (`n<d>`), in `tables/acceptance_by_depth.csv`.", "",
+                      markdown_table(rows, ["strategy", *[f"d{d}" for d in depths]]), "",
+                      "Steps whose accepted path ended at a leaf before depth d (no token tried there):", "",
+                      markdown_table(rows, ["strategy", *[f"leaf{d}" for d in depths]]), ""]
         rows = [r for r in tables["alpha"] if r["temperature"] == t]
         if rows:
             lines += ["### tau vs interpolation weight alpha (Figure 6)", "",
@@ -592,7 +604,11 @@ def sweep_sections(out: Path, sweeps: list[str]) -> list[str]:
 
 def exactness_section(out: Path) -> list[str]:
     """The run's exactness accounting (``exactness.json``, written by ``taps eval``) as markdown lines."""
-    from taps_ray.eval.exactness import EXACTNESS_FILE, Divergence, ExactnessReport
+    from taps_ray.eval.exactness import (  # loads the target model code: only when a run has exactness
+        EXACTNESS_FILE,
+        Divergence,
+        ExactnessReport,
+    )
 
     path = out / EXACTNESS_FILE
     if not path.is_file():
@@ -609,8 +625,6 @@ def write_report(out: str | Path, sweeps: list[str | Path] | None = None) -> Pat
     records; returns the path of ``report.md``. ``sweeps``: sweep folders (``taps sweep`` outputs) whose
     results and plots the report includes; they are remembered in ``out/sweeps.json`` for later
     regenerations. FileNotFoundError when ``out`` has no records."""
-    from taps_ray.eval.runner import RECORDS, RUN_FILE, read_records
-
     out = Path(out)
     records = read_records(out / RECORDS)
     if not records:

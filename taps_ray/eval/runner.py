@@ -40,17 +40,19 @@ from taps_ray.config import EvalConfig, ExperimentConfig, SamplingConfig, Target
 from taps_ray.data.benchmarks import BENCHMARKS, BenchmarkQuestion, select_benchmark
 from taps_ray.data.contamination import ContaminationError, question_hashes, read_trained_prompts
 from taps_ray.data.sources import SourceUnavailable
+from taps_ray.eval.exactness import EXACTNESS_FILE, account_records
+from taps_ray.eval.records import RECORDS, RUN_FILE, read_records, record_key
+from taps_ray.eval.report import write_report
 from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
 from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetModel
+from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
 from taps_ray.spec.strategy import parse_strategy
 
 log = logging.getLogger(__name__)
 
-RECORDS = "records.jsonl"
-RUN_FILE = "run.json"
 RANDOM_PREFIX = "random:"
 DEFAULT_DRAFTERS = {"fresh0": "random:0", "fresh1": "random:1"}
 
@@ -250,15 +252,15 @@ def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str],
     steps = [s for r in results for s in r.steps]
     new_tokens = [len(r.token_ids) for r in results]
     total_s = sum(r.total_s for r in results)
-    appended = sum(s.appended for s in steps)
+    tau = stats.tau(steps)
     record = {
         "benchmark": question.benchmark, "question_id": question.question_id, "category": question.category,
         "strategy": strategy, "drafters": drafters, "temperature": temperature,
         "turns": len(results), "prompt_tokens": [r.prompt_len for r in results], "new_tokens": new_tokens,
         "finish": [r.finish_reason for r in results],
         "output_crc": [zlib.crc32(json.dumps(r.token_ids).encode()) for r in results],
-        "turn_steps": [len(r.steps) for r in results], "steps": len(steps), "appended": appended,
-        "tau": appended / len(steps) if steps else None,
+        "turn_steps": [len(r.steps) for r in results], "steps": len(steps),
+        "appended": sum(s.appended for s in steps), "tau": None if math.isnan(tau) else tau,
         "accepted": [s.accepted for s in steps], "step_appended": [s.appended for s in steps],
         "tree_size": [s.tree_size for s in steps], "tree_depth": [int(s.tree_depth) for s in steps],
         "prefill_s": sum(r.prefill_s for r in results), "draft_s": sum(s.draft_s for s in steps),
@@ -267,6 +269,7 @@ def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str],
     }
     if strategy != "vanilla":
         record.update(
+            rejected=[bool(s.rejected) for s in steps],
             draft_entropy=[_nums(s.draft_entropy) for s in steps],
             target_entropy=[_nums(s.target_entropy) for s in steps],
             rejected_draft_entropy=[None if s.rejected_draft_entropy is None else _num(s.rejected_draft_entropy)
@@ -289,10 +292,6 @@ def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str],
             node_sources=[_nums(s.meta.get("node_sources")) for s in steps],
         )
     return record
-
-
-def record_key(record: dict) -> tuple:
-    return record["benchmark"], str(record["question_id"]), record["strategy"], float(record["temperature"])
 
 
 # -- workers --------------------------------------------------------------------------------------
@@ -356,26 +355,6 @@ class EvalWorker:
 
 
 # -- the run folder -------------------------------------------------------------------------------
-
-def read_records(path: str | Path) -> list[dict]:
-    """Records of ``path`` (``records.jsonl`` or its folder), first of each key; unreadable lines (an
-    interrupted write) are skipped."""
-    path = Path(path)
-    path = path / RECORDS if path.is_dir() else path
-    if not path.is_file():
-        return []
-    seen, out = set(), []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-            key = record_key(record)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-        if key not in seen:
-            seen.add(key)
-            out.append(record)
-    return out
-
 
 def _rewrite(path: Path, records: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
@@ -460,7 +439,7 @@ def _run_local(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], N
 
 
 def _run_ray(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], None], target_factory) -> None:
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.ray_utils import init_ray  # Ray only when the run shards over actors
 
     ray = init_ray()
     actors_n = max(1, min(plan.num_actors, len(units)))
@@ -596,8 +575,6 @@ def run_eval(
             runner(plan, units, emit, target_factory)
     write_exactness(out, plan, target_factory)
     if report:
-        from taps_ray.eval.report import write_report
-
         write_report(out)
     return out
 
@@ -605,8 +582,6 @@ def run_eval(
 def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], TargetModel] | None = None) -> None:
     """Account the run's greedy outputs against same-dtype vanilla (:mod:`taps_ray.eval.exactness`) into
     ``out/exactness.json``; prints one line, and every divergence that is not a tie within rounding."""
-    from taps_ray.eval.exactness import EXACTNESS_FILE, account_records
-
     records = [r for r in read_records(out / RECORDS) if "output_ids" in r]
     if not any(r["strategy"] == "vanilla" and float(r["temperature"]) == 0 for r in records):
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -29,8 +30,10 @@ from taps_ray.models.target import TargetModel
 from taps_ray.serving.drafter import rss_bytes
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
+from taps_ray.spec import stats
 from taps_ray.spec.compose import RequestRoute, compose_trees
-from taps_ray.spec.decoder import DecodeState, check_sampling, generate
+from taps_ray.spec.decoder import check_sampling, generate
+from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.tree import DraftTree
 
@@ -82,18 +85,19 @@ class StopGeneration(Exception):
 class StepInfo:
     """What the strategy saw in one step: the tree size verified (1: plain), who answered, who was
     skipped and why, the route taken, the slowest answering drafter's compute seconds;
-    ``accepted`` is filled by ``advance``."""
+    ``accepted`` and ``appended`` (the tokens handed over: accepted + bonus) are filled by ``advance``."""
 
     tree_size: int = 1
     answered: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     route: str | None = None
     accepted: int | None = None
+    appended: int | None = None
     compute_s: float = 0.0
 
 
 class RemoteStrategy:
-    """A :class:`~taps_ray.spec.decoder.Strategy` whose drafters live elsewhere (see module docs).
+    """A :class:`~taps_ray.spec.protocol.Strategy` whose drafters live elsewhere (see module docs).
 
     ``on_tokens`` receives the token ids the loop commits (the first token, then each step's accepted +
     bonus tokens; the last step's come back with the loop's result) and may raise :class:`StopGeneration`.
@@ -164,7 +168,7 @@ class RemoteStrategy:
         info.route = meta.get("route")
         info.tree_size = tree.size
         tree.meta = {**tree.meta, **meta, "answered": list(got)}
-        return _to_device(tree, self.device)
+        return tree.to(self.device)
 
     def _decide(self, signals: torch.Tensor) -> str | None:
         """Feed a probe step's signals to the request route; once it decides (and never rechecks),
@@ -182,7 +186,7 @@ class RemoteStrategy:
     def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self._append(tokens.cpu(), features.cpu())
         if self.steps:
-            self.steps[-1].accepted = tokens.numel() - 1
+            self.steps[-1].accepted, self.steps[-1].appended = tokens.numel() - 1, tokens.numel()
         self._emit(tokens)
         self._check()
 
@@ -278,14 +282,6 @@ class RemoteStrategy:
                                                len(self.steps), name, reason, f": {err!r}" if err else "")
 
 
-def _to_device(tree: DraftTree, device: torch.device) -> DraftTree:
-    if tree.tokens.device == device:
-        return tree
-    for name in ("tokens", "parent", "depth", "score", "entropy", "mask"):
-        setattr(tree, name, getattr(tree, name).to(device))
-    return tree
-
-
 class TextStream:
     """Incremental detokenization with stop sequences.
 
@@ -347,21 +343,26 @@ class TextStream:
 
 
 def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float | None, total_s: float,
-              records: list[StepRecord] | None = None) -> dict:
+              records: list[StepRecord] | None = None, completion_tokens: int | None = None) -> dict:
     """The response's ``taps`` block (and what the metrics count). ``records`` (the loop's step
     records, when it ran to the end) give the accepted and appended counts and the time spent
     waiting for drafts (``draft_s``: calls, transfer and drafting; ``drafter_compute_s`` of it was
     the drafters' own work: adding the accepted pairs and drafting) and verifying (``verify_s``);
-    else ``steps`` give the counts."""
+    else ``steps`` give the counts. ``completion_tokens``: the tokens the response kept, the first
+    one (from the prefill) included; the appended counts are trimmed to them
+    (:func:`~taps_ray.spec.stats.stop_trimmed`) when a stop sequence ended the response earlier."""
     if records is not None:
         accepted, appended = [r.accepted for r in records], [r.appended for r in records]
     else:
         accepted = [s.accepted or 0 for s in steps]
-        appended = [a + 1 for a in accepted]
+        appended = [s.appended or 0 for s in steps]
+    if completion_tokens is not None:
+        appended = stats.stop_trimmed(appended, max(completion_tokens - 1, 0))
+    tau = stats.acceptance_length(sum(appended), len(appended))
     routes = [s.route for s in steps if s.route is not None]
     out = {
         "strategy": plan.name, "drafters": list(plan.drafters), "steps": len(steps),
-        "tau": sum(appended) / len(steps) if steps else None,
+        "tau": None if math.isnan(tau) else tau,
         "accept_lengths": accepted,
         "draft_tokens": sum(s.tree_size - 1 for s in steps),
         "accepted_tokens": sum(accepted),
@@ -496,7 +497,7 @@ class Verifier:
         delta += text.flush()
         completion = text.used
         taps = summarize(request.plan, strategy.steps, strategy.skip_counts, prefill_s, time.perf_counter() - start,
-                         records)
+                         records, completion)
         emit({"type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
               "usage": {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion},
               "taps": taps})

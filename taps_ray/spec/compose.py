@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
+from taps_ray.models.target import TargetModel
+from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.strategy import GRANULARITIES, SIGNALS, StrategySpec, parse_strategy
-from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees, rerank
-
-if TYPE_CHECKING:
-    from taps_ray.models.target import TargetModel
-    from taps_ray.spec.decoder import DecodeState, Strategy
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees
 
 _SIZE_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim")
@@ -93,14 +90,14 @@ def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: 
         return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
     if spec.kind == "merged":
         device = trees[present[0]].tokens.device
-        merged = merge_trees([_on(trees[i], torch.device("cpu")) for i in present])
+        merged = merge_trees([trees[i].to("cpu") for i in present])
         sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
         sources[:, present] = merged.meta.pop("sources")
         union_size = merged.size
         if spec.merge == "budget" and merged.size > total_tokens:
-            keep = torch.cat([torch.zeros(1, dtype=torch.long), 1 + rerank(merged.score[1:], total_tokens - 1)])
+            keep = merged.top_nodes(total_tokens)
             merged, sources = merged.select(keep), sources[keep]
-        return _on(merged, device), {
+        return merged.to(device), {
             "tree_sizes": torch.tensor([t.size if t is not None else 0 for t in trees]),
             "union_size": union_size,
             "verified_size": merged.size,
@@ -230,14 +227,6 @@ class MergedStrategy(_Ensemble):
         return merged
 
 
-def _on(tree: DraftTree, device: torch.device) -> DraftTree:
-    """``tree`` with its tensors on ``device`` (the trie union of a few dozen nodes is built on the CPU)."""
-    if tree.tokens.device == device:
-        return tree
-    return DraftTree(tree.tokens.to(device), tree.parent.to(device), tree.depth.to(device), tree.score.to(device),
-                     tree.entropy.to(device), tree.mask.to(device), tree.prefix_len, tree.meta)
-
-
 def averaging_weights(spec: StrategySpec, k: int, weights: Sequence[float] | None) -> list[float]:
     if weights is not None:
         if spec.alpha is not None:
@@ -266,7 +255,7 @@ def build_strategy(
     probe_steps: int = 2,
     recheck_every: int = 0,
 ) -> Strategy:
-    """A ready :class:`~taps_ray.spec.decoder.Strategy` for ``spec`` over ``drafters``.
+    """A ready :class:`~taps_ray.spec.protocol.Strategy` for ``spec`` over ``drafters``.
 
     ``drafters`` is a list (named by ``names``, else their metadata ``name``, else ``d0, d1, ..``) or a
     name -> drafter mapping, in routing / merge order; ``single:NAME`` picks one by name, ``single``
@@ -274,8 +263,6 @@ def build_strategy(
     ``recheck_every`` set ``request`` routing. ValueError for too few drafters, drafters of different
     targets, alpha or weights out of range, or an unknown drafter name.
     """
-    from taps_ray.spec.decoder import SingleStrategy, VanillaStrategy
-
     spec = parse_strategy(spec)
     if isinstance(drafters, Mapping):
         names, heads = list(drafters), list(drafters.values())

@@ -1,4 +1,5 @@
-"""The generate loop: plain (vanilla) decoding and speculative decoding through a :class:`Strategy`.
+"""The generate loop: plain (vanilla) decoding and speculative decoding through a
+:class:`~taps_ray.spec.protocol.Strategy`.
 
 Both paths share one ``TargetModel.forward`` and one KV cache per request, so their speeds are
 comparable. Drafter alignment (EAGLE): the drafter consumes pairs ``(token_{i+1}, f_i)``, where
@@ -12,18 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 
-from taps_ray.config import SamplingConfig, TreeConfig
+from taps_ray.config import SamplingConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
-from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
-from taps_ray.spec.strategy import STRATEGY_NAMES
-from taps_ray.spec.tree import DrafterState, DraftTree, check_distinct_siblings, draft_tree, repeated_siblings
+from taps_ray.spec.tree import DraftTree, check_distinct_siblings, repeated_siblings
 from taps_ray.spec.verify import (
     Verdict,
     compact_target,
@@ -32,81 +31,6 @@ from taps_ray.spec.verify import (
     verify_greedy,
     verify_sampling,
 )
-
-
-@dataclass
-class DecodeState:
-    """The shared prefix at the start of a step (read-only for strategies).
-
-    ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
-    cache), so ``prefix_len == L - 1`` is the root's position; ``step`` counts verifications.
-    """
-
-    tokens: torch.Tensor
-    prefix_len: int
-    prompt_len: int
-    step: int
-
-
-@runtime_checkable
-class Strategy(Protocol):
-    """How a step's draft tree is made.
-
-    ``start`` begins a request with the prompt pairs (``tokens`` [T] = token_{i+1}, the last one
-    being the root; ``features`` [T, H] = f_i); ``propose`` returns the tree to verify from the
-    shared prefix (None: decode one token plainly); ``advance`` hands over the pairs of the
-    accepted tokens (``tokens`` [k + 1] accepted + bonus, ``features`` [k + 1, H] target features
-    at the root and the accepted nodes).
-
-    A proposed tree must be drafted from ``state.prefix_len`` and its siblings must carry distinct
-    tokens; :func:`generate` refuses any other tree with a RuntimeError naming the strategy.
-    """
-
-    name: str
-
-    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
-
-    def propose(self, state: DecodeState) -> DraftTree | None: ...
-
-    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
-
-
-class VanillaStrategy:
-    """No drafting: one target forward per token."""
-
-    name = "vanilla"
-
-    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        pass
-
-    def propose(self, state: DecodeState) -> None:
-        return None
-
-    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        pass
-
-
-class SingleStrategy:
-    """One drafter, one EAGLE-2 tree per step."""
-
-    name = "single"
-
-    def __init__(self, drafter: DraftHead, tree: TreeConfig | None = None):
-        self.drafter = drafter
-        self.tree = tree or TreeConfig()
-        self.target: TargetModel | None = None
-        self.state: DrafterState | None = None
-
-    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        self.target = target
-        self.state = DrafterState(self.drafter)
-        self.state.add(tokens, features)
-
-    def propose(self, state: DecodeState) -> DraftTree:
-        return draft_tree(self.drafter, self.target, self.state, self.tree)
-
-    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        self.state.add(tokens, features)
 
 
 @dataclass
@@ -147,21 +71,12 @@ class GenerationResult:
         return out
 
 
-STRATEGIES = STRATEGY_NAMES
-
-
 def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 0) -> DraftHead:
     """The drafter checkpoint in ``directory`` for ``target`` (``DrafterLoadError`` if it does not
     fit), or a freshly initialised drafter from ``seed`` when ``directory`` is None."""
     if directory is None:
         return DraftHead(target.config, seed=seed).to(target.device, target.dtype).eval()
     return DraftHead.load(directory, target.config, target.fingerprint, target.device, target.dtype)
-
-
-def make_strategy(name: str, drafters: list[DraftHead] | None = None, tree: TreeConfig | None = None) -> Strategy:
-    """A strategy by name (:data:`STRATEGIES`, see :mod:`taps_ray.spec.compose`) over ``drafters`` in order;
-    ValueError for an unknown name or too few drafters."""
-    return build_strategy(name, drafters or [], tree)
 
 
 def check_sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
@@ -275,7 +190,7 @@ def generate(
             out = target.forward(tokens[r:length][None], positions, cache)
             new = choose(out.logits[0])
             features = out.hidden[0]
-            accepted, tree_size, tree_depth = 0, 1, 0
+            accepted, tree_size, tree_depth, rejected = 0, 1, 0, False
         else:
             if tree.prefix_len != r:
                 raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
@@ -298,6 +213,7 @@ def generate(
             compact_target(cache, tree, verdict)
             new, features = verdict.tokens, out.hidden[0, verdict.path]
             accepted, tree_size, tree_depth = verdict.accepted, tree.size, tree.depth.max()
+            rejected = verdict.rejected >= 0
             if collect_entropy:
                 record_extra = _entropies(tree, logits, verdict)
             if tree.meta:
@@ -308,7 +224,7 @@ def generate(
         tokens[length:length + keep] = new[:keep]
         length += keep
         steps.append(StepRecord(accepted=accepted, appended=keep, tree_size=tree_size, draft_s=t1 - t0,
-                                verify_s=timer() - t1, tree_depth=tree_depth, **record_extra))
+                                verify_s=timer() - t1, tree_depth=tree_depth, rejected=rejected, **record_extra))
         if first_eos < new.numel() and keep == first_eos + 1:
             finish = "eos"
         elif length - prompt_len >= max_new_tokens:

@@ -1,16 +1,21 @@
 """Per-step records and the one definition of tau, per-depth acceptance and entropy summaries.
 
 A step is one target verification; it appends its accepted draft tokens plus the bonus token,
-trimmed after EOS and at ``max_new_tokens``. The first token (from the prefill) is not a step.
-tau = appended tokens / steps over a set of steps (micro average); ``tau_per_question`` is the
-mean of per-question tau. Per-depth acceptance at depth d is the fraction of steps with accepted
-length >= d among steps with accepted length >= d - 1.
+trimmed after EOS, at ``max_new_tokens`` and, in serving, at the end of a stop sequence
+(:func:`stop_trimmed`). The first token (from the prefill) is not a step.
+tau = appended tokens / steps over a set of steps (micro average, :func:`acceptance_length`);
+``tau_per_question`` is the mean of per-question tau (:func:`mean_tau`).
+
+Per depth d = 1 .. D (the deepest tree drafted) a step either accepted a draft token at d, had its
+token at d rejected, or ended at a leaf at depth d - 1 (no draft token to try at d; a plain step
+ends at the root, depth 0). Per-depth acceptance at d is accepted / (accepted + rejected) at d
+(:class:`DepthCounts`); steps that ended at a leaf are counted apart, never as rejections.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -24,7 +29,9 @@ class StepRecord:
 
     ``accepted`` draft tokens accepted (before trimming), ``appended`` tokens kept after trimming,
     ``tree_size`` verified nodes including the root (1 for plain decoding), ``tree_depth`` its
-    deepest level (0-dim tensor or int; 0 for plain decoding), ``draft_s`` /
+    deepest level (0-dim tensor or int; 0 for plain decoding), ``rejected`` whether a draft token
+    was tried and rejected at depth ``accepted + 1`` (0-dim bool tensor or bool; False when the
+    accepted path ended at a leaf or the step was plain), ``draft_s`` /
     ``verify_s`` wall seconds. Entropies (nats): ``draft_entropy`` [k] / ``target_entropy`` [k] of
     the draft and target (temperature 1) distributions each accepted token was drawn from /
     verified against; ``rejected_*`` the same for the rejected token (the first tried child at the
@@ -38,21 +45,16 @@ class StepRecord:
     draft_s: float
     verify_s: float
     tree_depth: torch.Tensor | int = 0
+    rejected: torch.Tensor | bool = False
     draft_entropy: torch.Tensor | None = None
     target_entropy: torch.Tensor | None = None
     rejected_draft_entropy: torch.Tensor | None = None
     rejected_target_entropy: torch.Tensor | None = None
     meta: dict = field(default_factory=dict)
 
-    @property
-    def rejected(self) -> bool:
-        """Whether a draft token was rejected at depth ``accepted + 1``."""
-        value = self.rejected_draft_entropy
-        return value is not None and not math.isnan(float(value))
-
     def outcome(self) -> list[bool]:
-        """Per-depth outcome from depth 1: True accepted, False rejected (absent: no draft tried)."""
-        return [True] * self.accepted + ([False] if self.rejected else [])
+        """This step's :func:`step_outcome`."""
+        return step_outcome(self.accepted, bool(self.rejected))
 
     def to_dict(self) -> dict:
         def plain(value):
@@ -65,25 +67,75 @@ class StepRecord:
         return {k: plain(v) for k, v in asdict(self).items()}
 
 
+def step_outcome(accepted: int, rejected: bool) -> list[bool]:
+    """Per-depth outcome of a step from depth 1: True per accepted depth, then False when the token at
+    the next depth was rejected; no entry there when the accepted path ended at a leaf."""
+    return [True] * accepted + ([False] if rejected else [])
+
+
+def acceptance_length(appended: int, steps: int) -> float:
+    """tau of totals: ``appended`` tokens over ``steps`` verification steps (NaN without steps)."""
+    return appended / steps if steps else _NAN
+
+
 def tau(records: Sequence[StepRecord]) -> float:
-    """Appended tokens per step (NaN without steps)."""
-    return sum(r.appended for r in records) / len(records) if records else _NAN
+    """Appended tokens per step of ``records`` (NaN without steps)."""
+    return acceptance_length(sum(r.appended for r in records), len(records))
 
 
-def per_depth_acceptance(accept_lengths: Sequence[int], max_depth: int | None = None) -> list[float]:
-    """Entry d-1: share of steps with accepted length >= d among those with >= d - 1.
+def mean_tau(taus: Iterable[float | None]) -> float:
+    """``tau_per_question``: the mean of per-question taus; questions without steps (None or NaN) are
+    left out (NaN when none is left)."""
+    values = [t for t in taus if t is not None and not math.isnan(t)]
+    return sum(values) / len(values) if values else _NAN
 
-    Runs for d = 1 .. ``max_depth`` (the deepest tree drafted), stopping early where undefined.
-    """
+
+def stop_trimmed(appended: Sequence[int], kept: int) -> list[int]:
+    """Per-step appended counts [S] when only the first ``kept`` of the tokens the steps appended stay in
+    the output (a stop sequence ended it there): each step keeps its tokens before the cut."""
+    if kept < 0:
+        raise ValueError(f"kept must be >= 0, got {kept}")
     out = []
-    reached = len(accept_lengths)
-    depth = 1
-    max_depth = max(accept_lengths, default=0) + 1 if max_depth is None else max_depth
-    while reached and depth <= max_depth:
-        passed = sum(1 for a in accept_lengths if a >= depth)
-        out.append(passed / reached)
-        reached, depth = passed, depth + 1
+    for n in appended:
+        out.append(min(n, kept))
+        kept -= out[-1]
     return out
+
+
+@dataclass
+class DepthCounts:
+    """Step outcomes per draft depth d = 1 .. D (entry d - 1 of each list).
+
+    ``accepted``: steps that accepted a draft token at d; ``rejected``: steps whose draft token at d
+    was rejected; ``leaf``: steps whose accepted path ended at a leaf at depth d - 1, so no token
+    was tried at d.
+    """
+
+    accepted: list[int]
+    rejected: list[int]
+    leaf: list[int]
+
+    @property
+    def tried(self) -> list[int]:
+        """Steps that tried a draft token at each depth (accepted + rejected)."""
+        return [a + r for a, r in zip(self.accepted, self.rejected)]
+
+    def rates(self) -> list[float]:
+        """Per-depth acceptance: accepted / tried at each depth (NaN where nothing was tried)."""
+        return [a / t if t else _NAN for a, t in zip(self.accepted, self.tried)]
+
+
+def depth_counts(outcomes: Iterable[Sequence[bool]], max_depth: int) -> DepthCounts:
+    """:class:`DepthCounts` over depths 1 .. ``max_depth`` of per-step outcomes (:meth:`StepRecord.outcome`:
+    True per accepted depth, then False when the next depth's token was rejected)."""
+    counts = DepthCounts([0] * max_depth, [0] * max_depth, [0] * max_depth)
+    for outcome in outcomes:
+        accepted = sum(1 for x in outcome if x)
+        for d in range(min(accepted, max_depth)):
+            counts.accepted[d] += 1
+        if accepted < max_depth:
+            (counts.rejected if len(outcome) > accepted else counts.leaf)[accepted] += 1
+    return counts
 
 
 def _mean(values: list[torch.Tensor]) -> float:
@@ -95,7 +147,8 @@ def _mean(values: list[torch.Tensor]) -> float:
 
 @dataclass
 class SpecMetrics:
-    """Summary of many generations (one list of steps per question)."""
+    """Summary of many generations (one list of steps per question); ``per_depth_acceptance`` is
+    ``depth.rates()``."""
 
     questions: int
     steps: int
@@ -103,6 +156,7 @@ class SpecMetrics:
     tau: float
     tau_per_question: float
     per_depth_acceptance: list[float]
+    depth: DepthCounts
     accept_length_counts: list[int]
     mean_tree_size: float
     draft_s: float
@@ -120,14 +174,15 @@ def summarize(per_question: Sequence[Sequence[StepRecord]]) -> SpecMetrics:
     counts = [0] * (max(lengths, default=-1) + 1)
     for a in lengths:
         counts[a] += 1
-    taus = [tau(steps) for steps in per_question if steps]
+    depth = depth_counts((r.outcome() for r in records), max((int(r.tree_depth) for r in records), default=0))
     return SpecMetrics(
         questions=len(per_question),
         steps=len(records),
         tokens=sum(r.appended for r in records),
         tau=tau(records),
-        tau_per_question=sum(taus) / len(taus) if taus else _NAN,
-        per_depth_acceptance=per_depth_acceptance(lengths, max((int(r.tree_depth) for r in records), default=0)),
+        tau_per_question=mean_tau(tau(steps) for steps in per_question),
+        per_depth_acceptance=depth.rates(),
+        depth=depth,
         accept_length_counts=counts,
         mean_tree_size=sum(r.tree_size for r in records) / len(records) if records else _NAN,
         draft_s=sum(r.draft_s for r in records),

@@ -82,12 +82,23 @@ class DraftTree:
             meta=dict(self.meta),
         )
 
+    def top_nodes(self, n: int) -> torch.Tensor:
+        """Node indices [min(n, N)], ascending: the root plus the ``n - 1`` best-scored nodes
+        (ancestor-closed, since scores do not increase along paths and parents come first)."""
+        return torch.cat([self.tokens.new_zeros(1), 1 + rerank(self.score[1:], n - 1)])
+
     def top(self, n: int) -> DraftTree:
-        """The root plus the ``n - 1`` best-scored nodes (ancestor-closed, parents first)."""
-        if n >= self.size:
+        """The subtree on :meth:`top_nodes` (this tree when it has at most ``n`` nodes)."""
+        return self if n >= self.size else self.select(self.top_nodes(n))
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """This tree with its tensors on ``device`` (this tree when already there; ``meta`` is shared)."""
+        device = torch.device(device)
+        if self.tokens.device == device:
             return self
-        keep = torch.cat([self.tokens.new_zeros(1), 1 + rerank(self.score[1:], n - 1)])
-        return self.select(keep)
+        return DraftTree(self.tokens.to(device), self.parent.to(device), self.depth.to(device),
+                         self.score.to(device), self.entropy.to(device), self.mask.to(device), self.prefix_len,
+                         self.meta)
 
 
 def rerank(score: torch.Tensor, n: int) -> torch.Tensor:

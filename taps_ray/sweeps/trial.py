@@ -34,7 +34,8 @@ class InjectedTrialFailure(RuntimeError):
 
 @dataclass
 class DomainTau:
-    """Speculative decoding of one domain's prompts: tau = ``appended / steps`` (micro average)."""
+    """Speculative decoding of one domain's prompts: tau and tau per question as :mod:`taps_ray.spec.stats`
+    defines them (NaN without steps)."""
 
     tau: float
     tau_per_question: float
@@ -57,16 +58,11 @@ def domain_taus(target: TargetModel, drafter: DraftHead, prompts: dict[str, list
     strategy = build_strategy("single", [drafter], tree)
     out = {}
     for domain, items in prompts.items():
-        steps, per_question = [], []
-        for ids in items:
-            result = generate(target, torch.tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
-                              collect_entropy=False)
-            steps += result.steps
-            if result.steps:
-                per_question.append(result.tau)
+        per_question = [generate(target, torch.tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
+                                 collect_entropy=False).steps for ids in items]
+        steps = [s for question in per_question for s in question]
         out[domain] = DomainTau(
-            tau=stats.tau(steps) if steps else math.nan,
-            tau_per_question=sum(per_question) / len(per_question) if per_question else math.nan,
+            tau=stats.tau(steps), tau_per_question=stats.mean_tau(stats.tau(q) for q in per_question),
             steps=len(steps), appended=sum(s.appended for s in steps), prompts=len(items))
     return out
 

@@ -5,7 +5,8 @@ import torch
 
 from taps_ray.eval.exactness import account, first_difference
 from taps_ray.models.target import TargetModel
-from taps_ray.spec.decoder import SingleStrategy, generate, load_drafter
+from taps_ray.spec.decoder import generate, load_drafter
+from taps_ray.spec.protocol import SingleStrategy
 from tests.conftest import make_tiny_target
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from taps_ray.cli import main
+from taps_ray.eval.records import RECORDS, RUN_FILE
 from taps_ray.eval.report import CLAIMS, FAILS, HOLDS, MISSING, build_tables, claim_line, write_report
-from taps_ray.eval.runner import RECORDS, RUN_FILE
 
 DEPTH = 4
 HI = [1, 2, 3, 4, 4] * 2       # tau 3.8; depth rates 1, .8, .75, 4/6
@@ -123,6 +123,15 @@ def test_acceptance_by_depth(tables):
     r = row(tables["depth"], strategy="single:math", benchmark="gsm8k")
     assert [r[f"d{d}"] for d in range(1, 5)] == pytest.approx([1.0, 0.8, 0.75, 4 / 6])
     assert [r[f"n{d}"] for d in range(1, 5)] == [20, 20, 16, 12]
+
+
+def test_acceptance_by_depth_counts_a_path_ending_at_a_leaf_apart_from_a_rejection():
+    leafy = record("single:math", "gsm8k", 1, [1, 1, 2, 0])
+    leafy["rejected"] = [True, False, False, True]
+    r = row(build_tables([leafy])[0]["depth"], benchmark="gsm8k")
+    assert [r[f"n{d}"] for d in range(1, 5)] == [4, 2, 0, 0]
+    assert [r[f"leaf{d}"] for d in range(1, 5)] == [0, 1, 1, 0]
+    assert [r[f"d{d}"] for d in range(1, 3)] == pytest.approx([3 / 4, 1 / 2])
 
 
 def test_tau_vs_alpha(tables):

@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from taps_ray.serving.drafter import DraftSessions
-from taps_ray.spec.decoder import SingleStrategy
+from taps_ray.spec.protocol import SingleStrategy
 
 POOL = ThreadPoolExecutor(8, thread_name_prefix="test-drafter")
 

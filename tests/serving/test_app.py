@@ -18,7 +18,8 @@ from ray import serve
 
 from taps_ray.config import TreeConfig, load_config
 from taps_ray.serving.app import application, drafter_deployment_name
-from taps_ray.spec.decoder import SingleStrategy, generate, load_drafter
+from taps_ray.spec.decoder import generate, load_drafter
+from taps_ray.spec.protocol import SingleStrategy
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.verifier import RemoteStrategy, TextStream, summarize
+from taps_ray.serving.verifier import RemoteStrategy, StopGeneration, TextStream, summarize
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
@@ -116,6 +116,32 @@ def test_remote_composition_equals_in_process_compose(bigram, drafters, name):
     assert summary["steps"] == len(result.steps) and summary["accepted_tokens"] == sum(result.accept_lengths)
     if name.startswith("routed"):
         assert sum(summary["route_decisions"].values()) == len(result.steps)
+
+
+def test_a_stop_sequence_trims_the_appended_count_of_its_step(bigram, drafters):
+    """A stop inside a step's tokens ends the request there: the taps block counts the tokens the
+    response kept (as EOS trimming does), not the step's accepted + 1."""
+    prompt = random_prompt(bigram, 6, 1)
+    reference = generate(bigram, prompt, build_strategy("single", [drafters["even"]], TREE), max_new_tokens=NEW)
+    appended = [s.appended for s in reference.steps]
+    cut = next(i for i, n in enumerate(appended[:-1]) if n >= 2)
+    kept = 1 + sum(appended[:cut]) + 1
+    seen = []
+
+    def on_tokens(tokens: list[int]) -> None:
+        seen.extend(tokens)
+        if len(seen) >= kept:
+            raise StopGeneration("stop")
+
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)])}
+    strategy = RemoteStrategy("r", resolve_plan("single", ["even"], serve_cfg(["even"])), clients, 10.0,
+                              TREE.total_tokens, on_tokens)
+    with pytest.raises(StopGeneration):
+        generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    summary = summarize(strategy.plan, strategy.steps, strategy.skip_counts, None, 1.0, completion_tokens=kept)
+    assert summary["steps"] == cut + 1
+    assert summary["tau"] == pytest.approx((sum(appended[:cut]) + 1) / (cut + 1))
+    assert summary["accept_lengths"] == reference.accept_lengths[:cut + 1]
 
 
 def test_failed_and_late_drafters_are_skipped_and_output_stays_lossless(bigram, drafters):

@@ -9,7 +9,7 @@ import torch
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
-from taps_ray.spec.decoder import DecodeState
+from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.tree import DraftTree, build_tree
 from tests.conftest import data_dir, make_tiny_target
 

@@ -11,7 +11,8 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.spec.compose import MergedStrategy, RoutedStrategy, build_strategy, tree_signal
-from taps_ray.spec.decoder import SingleStrategy, generate, make_strategy
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.strategy import STRATEGY_NAMES, parse_strategy
 from taps_ray.spec.tree import DrafterState, draft_tree
 from tests.conftest import make_tiny_target
@@ -122,10 +123,10 @@ def test_averaged_interpolates_weights(bigram):
     assert uniform.drafter.metadata["weights"] == pytest.approx([1 / 3] * 3)
 
 
-def test_make_strategy_delegates_to_compose(bigram, specialists):
-    strategy = make_strategy("merged:budget", list(specialists.values()), TREE)
+def test_build_strategy_from_a_list_of_drafters(bigram, specialists):
+    strategy = build_strategy("merged:budget", list(specialists.values()), TREE)
     assert isinstance(strategy, MergedStrategy) and strategy.budget and strategy.name == "merged:budget"
-    assert make_strategy("routed:entropy", list(specialists.values())[:2], TREE).granularity == "request"
+    assert build_strategy("routed:entropy", list(specialists.values())[:2], TREE).granularity == "request"
 
 
 @pytest.mark.parametrize("k", [2, 3])

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.decoder import SingleStrategy, Strategy, VanillaStrategy, generate, make_strategy
-from taps_ray.spec.stats import StepRecord, per_depth_acceptance, summarize, tau
+from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import SingleStrategy, Strategy, VanillaStrategy
+from taps_ray.spec.stats import (
+    StepRecord,
+    acceptance_length,
+    depth_counts,
+    mean_tau,
+    stop_trimmed,
+    summarize,
+    tau,
+)
 from taps_ray.spec.tree import DraftTree
 from tests.spec.spec_helpers import OracleStrategy, random_prompt
 
@@ -130,14 +141,14 @@ def test_bad_input_is_a_value_error_naming_the_value(peaky_target, prompt, kwarg
         generate(peaky_target, prompt, **kwargs)
 
 
-def test_make_strategy_and_protocol(peaky_target):
+def test_build_strategy_and_protocol(peaky_target):
     drafter = DraftHead(peaky_target.config)
-    assert isinstance(make_strategy("vanilla"), VanillaStrategy)
-    assert isinstance(make_strategy("single", [drafter]), Strategy)
+    assert isinstance(build_strategy("vanilla"), VanillaStrategy)
+    assert isinstance(build_strategy("single", [drafter]), Strategy)
     with pytest.raises(ValueError, match="needs a drafter"):
-        make_strategy("single", [])
+        build_strategy("single", [])
     with pytest.raises(ValueError, match="unknown strategy 'routed'"):
-        make_strategy("routed", [drafter])
+        build_strategy("routed", [drafter])
 
 
 def test_step_records_and_summary(peaky_target):
@@ -158,15 +169,27 @@ def test_step_records_and_summary(peaky_target):
 
 
 def test_tau_and_per_depth_definitions():
-    steps = [StepRecord(accepted=a, appended=n, tree_size=8, draft_s=0.0, verify_s=0.0, tree_depth=3)
-             for a, n in [(0, 1), (2, 3), (3, 4), (1, 2), (3, 2)]]
+    steps = [StepRecord(accepted=a, appended=n, tree_size=8, draft_s=0.0, verify_s=0.0, tree_depth=3, rejected=rej)
+             for a, n, rej in [(0, 1, True), (2, 3, True), (3, 4, False), (1, 2, False), (3, 2, False)]]
     assert tau(steps) == pytest.approx(12 / 5)
-    assert per_depth_acceptance([0, 2, 3, 1, 3], max_depth=3) == pytest.approx([4 / 5, 3 / 4, 2 / 3])
-    assert per_depth_acceptance([]) == []
+    assert [s.outcome() for s in steps[:2]] == [[False], [True, True, False]]
+    counts = depth_counts((s.outcome() for s in steps), max_depth=3)
+    assert (counts.accepted, counts.rejected, counts.leaf) == ([4, 3, 2], [1, 0, 1], [0, 1, 0])
+    assert counts.rates() == pytest.approx([4 / 5, 3 / 3, 2 / 3])
+    assert depth_counts([], 0).rates() == []
     metrics = summarize([steps[:2], steps[2:]])
     assert metrics.tau == pytest.approx(12 / 5)
     assert metrics.tau_per_question == pytest.approx((4 / 2 + 8 / 3) / 2)
     assert metrics.accept_length_counts == [1, 1, 1, 2]
+    assert metrics.per_depth_acceptance == pytest.approx([4 / 5, 1.0, 2 / 3]) and metrics.depth.leaf == [0, 1, 0]
+
+
+def test_mean_tau_and_stop_trimming():
+    assert mean_tau([2.0, None, math.nan, 4.0]) == 3.0 and math.isnan(mean_tau([None]))
+    assert math.isnan(acceptance_length(0, 0)) and acceptance_length(7, 2) == 3.5
+    assert stop_trimmed([3, 4, 2], 5) == [3, 2, 0] and stop_trimmed([1, 2], 10) == [1, 2]
+    with pytest.raises(ValueError, match="kept must be >= 0, got -1"):
+        stop_trimmed([1], -1)
 
 
 class RepeatingStrategy(SingleStrategy):

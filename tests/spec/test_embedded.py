@@ -16,7 +16,8 @@ import torch
 from taps_ray.cli import main
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.decoder import SingleStrategy, generate
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import SingleStrategy
 from tests.conftest import data_dir, requires_data
 from tests.spec.spec_helpers import MULTI_TURN_CHAT, OracleStrategy, benchmark_messages
 

@@ -22,7 +22,8 @@ import torch
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.decoder import DecodeState, SingleStrategy, generate
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import DecodeState, SingleStrategy
 from taps_ray.spec.tree import DraftTree, build_tree
 from taps_ray.spec.verify import process_logits
 from tests.spec.spec_helpers import peaky_tiny_target, random_prompt

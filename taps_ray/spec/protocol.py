@@ -1,0 +1,94 @@
+"""The :class:`Strategy` protocol the decode loop drives, the :class:`DecodeState` it hands over, and the
+two strategies without composition: :class:`VanillaStrategy` (no drafting) and :class:`SingleStrategy`.
+
+Composed strategies (averaged, routed, merged) live in :mod:`taps_ray.spec.compose`; the loop in
+:mod:`taps_ray.spec.decoder`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+
+
+@dataclass
+class DecodeState:
+    """The shared prefix at the start of a step (read-only for strategies).
+
+    ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
+    cache), so ``prefix_len == L - 1`` is the root's position; ``step`` counts verifications.
+    """
+
+    tokens: torch.Tensor
+    prefix_len: int
+    prompt_len: int
+    step: int
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """How a step's draft tree is made.
+
+    ``start`` begins a request with the prompt pairs (``tokens`` [T] = token_{i+1}, the last one
+    being the root; ``features`` [T, H] = f_i); ``propose`` returns the tree to verify from the
+    shared prefix (None: decode one token plainly); ``advance`` hands over the pairs of the
+    accepted tokens (``tokens`` [k + 1] accepted + bonus, ``features`` [k + 1, H] target features
+    at the root and the accepted nodes).
+
+    A proposed tree must be drafted from ``state.prefix_len`` and its siblings must carry distinct
+    tokens; :func:`~taps_ray.spec.decoder.generate` refuses any other tree with a RuntimeError
+    naming the strategy.
+    """
+
+    name: str
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
+
+    def propose(self, state: DecodeState) -> DraftTree | None: ...
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None: ...
+
+
+class VanillaStrategy:
+    """No drafting: one target forward per token."""
+
+    name = "vanilla"
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> None:
+        return None
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        pass
+
+
+class SingleStrategy:
+    """One drafter, one EAGLE-2 tree per step."""
+
+    name = "single"
+
+    def __init__(self, drafter: DraftHead, tree: TreeConfig | None = None):
+        self.drafter = drafter
+        self.tree = tree or TreeConfig()
+        self.target: TargetModel | None = None
+        self.state: DrafterState | None = None
+
+    def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.target = target
+        self.state = DrafterState(self.drafter)
+        self.state.add(tokens, features)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        return draft_tree(self.drafter, self.target, self.state, self.tree)
+
+    def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.state.add(tokens, features)
