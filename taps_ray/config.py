@@ -150,6 +150,16 @@ class TreeConfig(Strict):
     depth: int = Field(default=2, ge=0)
     top_k: int = Field(default=3, ge=1)
     total_tokens: int = Field(default=8, ge=2)
+    lookup_tokens: int = Field(default=0, ge=0)    # prompt-lookup chain grafted onto each tree, at most this long (0: off)
+    lookup_ngram: int = Field(default=3, ge=1)     # longest context suffix matched for the lookup
+    lookup_min_ngram: int = Field(default=2, ge=1)  # shortest suffix matched (shorter matches copy too eagerly)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> TreeConfig:
+        if self.lookup_min_ngram > self.lookup_ngram:
+            raise ValueError(f"tree.lookup_min_ngram ({self.lookup_min_ngram}) must be <= tree.lookup_ngram "
+                             f"({self.lookup_ngram})")
+        return self
 
 
 class SamplingConfig(Strict):

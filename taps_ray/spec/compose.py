@@ -36,6 +36,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
+from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.strategy import GRANULARITIES, SIGNALS, StrategySpec, parse_strategy
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees
@@ -207,7 +208,7 @@ class RoutedStrategy(_Ensemble):
         tree.meta.update(meta, probe=probe)
         if self.route is not None:
             tree.meta["decision"] = None if self.route.choice is None else self.names[self.route.choice]
-        return tree
+        return graft_lookup(tree, state.tokens, self.tree)
 
 
 class MergedStrategy(_Ensemble):
@@ -224,7 +225,7 @@ class MergedStrategy(_Ensemble):
         spec = StrategySpec("merged", merge="budget" if self.budget else "union")
         merged, meta = compose_trees(spec, trees, self.names, self.tree.total_tokens)
         merged.meta.update(meta)
-        return merged
+        return graft_lookup(merged, state.tokens, self.tree)
 
 
 def averaging_weights(spec: StrategySpec, k: int, weights: Sequence[float] | None) -> list[float]:

@@ -15,6 +15,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
+from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
 
 
@@ -88,7 +89,7 @@ class SingleStrategy:
         self.state.add(tokens, features)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        return draft_tree(self.drafter, self.target, self.state, self.tree)
+        return graft_lookup(draft_tree(self.drafter, self.target, self.state, self.tree), state.tokens, self.tree)
 
     def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self.state.add(tokens, features)

@@ -117,17 +117,34 @@ def fresh_drafter_strategy():
     return SingleStrategy(DraftHead(TARGET.config, seed=4), TreeConfig(depth=2, top_k=3, total_tokens=8))
 
 
+LOOKUP_TREE = TreeConfig(depth=1, top_k=2, total_tokens=4, lookup_tokens=3, lookup_ngram=2, lookup_min_ngram=1)
+
+
+def lookup_drafter_strategy():
+    """A fresh drafter's tree with prompt-lookup chains grafted on (the 16-token vocabulary makes
+    context matches, and so chains of copied tokens, frequent)."""
+    return SingleStrategy(DraftHead(TARGET.config, seed=4), LOOKUP_TREE)
+
+
+def test_lookup_chains_are_grafted_on_this_prefix():
+    result = generate(TARGET, PREFIX, lookup_drafter_strategy(), SamplingConfig(seed=0, temperature=0.7, top_p=0.9),
+                      max_new_tokens=3, eos_token_ids=frozenset(), collect_entropy=False)
+    assert any(step.tree_size > LOOKUP_TREE.total_tokens for step in result.steps)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, wrong, strategy, n", [
     ({"temperature": 1.0}, {"temperature": 0.8, "top_p": 1.0}, "oracle", 3000),
     ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1.0}, "oracle", 3000),
     ({"temperature": 1.0}, {"temperature": 0.8, "top_p": 1.0}, "drafter", 1200),
+    ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1.0}, "drafter+lookup", 1200),
 ])
 def test_first_tokens_follow_the_target_law(sampling, wrong, strategy, n):
     temperature, top_p = sampling["temperature"], sampling.get("top_p", 1.0)
     p1, p2, p3 = exact_tables(temperature, top_p)
     joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1).double()
-    make = (lambda: ExactOracle(p2, p3)) if strategy == "oracle" else fresh_drafter_strategy
+    make = {"oracle": lambda: ExactOracle(p2, p3), "drafter": fresh_drafter_strategy,
+            "drafter+lookup": lookup_drafter_strategy}[strategy]
     counts, accepted = sample_counts(make, sampling, n)
     assert counts[joint == 0].sum() == 0, "a token outside the top-p nucleus was generated"
     p_value = chi_square_p_value(counts, joint)
