@@ -33,6 +33,7 @@ from taps_ray.serving.protocol import RequestError
 from taps_ray.spec import stats
 from taps_ray.spec.compose import RequestRoute, compose_trees
 from taps_ray.spec.decoder import check_sampling, generate
+from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.tree import DraftTree
@@ -102,13 +103,16 @@ class RemoteStrategy:
     ``on_tokens`` receives the token ids the loop commits (the first token, then each step's accepted +
     bonus tokens; the last step's come back with the loop's result) and may raise :class:`StopGeneration`.
     ``cancel`` / ``expires`` (monotonic time) stop the loop with reason ``cancelled`` / ``timeout``.
+    ``lookup`` (its ``lookup_*`` fields) grafts prompt-lookup chains onto the composed tree, or proposes
+    the chain alone when no drafter answered (:mod:`taps_ray.spec.lookup`).
     """
 
     def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
                  total_tokens: int, on_tokens: Callable[[list[int]], None] | None = None,
                  cancel: threading.Event | None = None, expires: float | None = None,
-                 probe_steps: int = 2, recheck_every: int = 0):
+                 probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None):
         self.name = plan.name
+        self.lookup = lookup or TreeConfig()
         self.rid = rid
         self.plan = plan
         self.names = list(plan.drafters)
@@ -159,7 +163,7 @@ class RemoteStrategy:
                 self._skip(info, name, "stale")
                 del got[name]
         if not got:
-            return None
+            return graft_lookup(None, state.tokens, self.lookup)
         tree, meta = compose_trees(self.plan.spec, [got.get(n) for n in self.names], self.names, self.total_tokens)
         if self.plan.kind == "routed":
             meta["probe"] = probe
@@ -168,7 +172,7 @@ class RemoteStrategy:
         info.route = meta.get("route")
         info.tree_size = tree.size
         tree.meta = {**tree.meta, **meta, "answered": list(got)}
-        return tree.to(self.device)
+        return graft_lookup(tree.to(self.device), state.tokens, self.lookup)
 
     def _decide(self, signals: torch.Tensor) -> str | None:
         """Feed a probe step's signals to the request route; once it decides (and never rechecks),
@@ -473,7 +477,7 @@ class Verifier:
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, clients, deadline, self.tree.total_tokens, on_tokens,
                                   cancel, time.monotonic() + self.cfg.request_timeout_s, self.cfg.route_probe_steps,
-                                  self.cfg.route_recheck_every)
+                                  self.cfg.route_recheck_every, self.tree)
         start = time.perf_counter()
         result, stopped = None, None
         try:

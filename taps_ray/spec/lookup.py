@@ -17,7 +17,7 @@ import math
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.tree import DraftTree, build_tree
 
 LOOKUP_LOGP = math.log(0.5)
 """Nominal draft log-prob per copied token: chain nodes get ``score`` = the score of the tree node they
@@ -81,9 +81,16 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
 def graft_lookup(tree: DraftTree | None, tokens: torch.Tensor, cfg: TreeConfig) -> DraftTree | None:
     """``tree`` plus the prompt-lookup chain of context ``tokens`` [L] (``cfg.lookup_tokens`` 0: unchanged).
 
-    A ``None`` tree (nothing drafted this step) stays ``None``: the step decodes plainly.
+    Without a tree (no drafter answered this step) the chain alone is the tree, rooted at
+    ``tokens[-1]``; with no chain either, None (the step decodes plainly).
     """
-    if tree is None or cfg.lookup_tokens == 0:
+    if cfg.lookup_tokens == 0:
         return tree
     chain = lookup_continuation(tokens, cfg.lookup_ngram, cfg.lookup_min_ngram, cfg.lookup_tokens)
+    if tree is None:
+        if chain.numel() == 0:
+            return None
+        m = chain.numel()
+        return build_tree(torch.cat([tokens[-1:], chain]), torch.arange(-1, m), LOOKUP_LOGP * torch.arange(m + 1.0),
+                          prefix_len=tokens.numel() - 1, meta={"lookup_nodes": m})
     return graft_chain(tree, chain)

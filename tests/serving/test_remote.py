@@ -176,6 +176,18 @@ def test_without_any_drafter_the_verifier_decodes_plainly(bigram, drafters):
     assert clients["even"].calls == strategy.skip_counts["even"]["error"]
 
 
+def test_lookup_drafts_alone_when_no_drafter_answers_and_stays_lossless(bigram, drafters):
+    """The bigram target's greedy text cycles, so prompt lookup finds copies even with every drafter down."""
+    prompt = random_prompt(bigram, 6, 4)
+    vanilla = generate(bigram, prompt, max_new_tokens=60)
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)], fail=set(range(1000)))}
+    plan = resolve_plan("single", None, serve_cfg(["even"]))
+    strategy = RemoteStrategy("r", plan, clients, 10.0, TREE.total_tokens, lookup=TreeConfig(lookup_tokens=5))
+    result = generate(bigram, prompt, strategy, max_new_tokens=60)
+    assert result.token_ids == vanilla.token_ids
+    assert max(s.accepted for s in result.steps) == 5 and len(result.steps) < 40
+
+
 def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
     sessions = {n: DraftSessions(bigram, drafters[n], TREE) for n in ("even", "odd")}
     clients = {n: LocalClient([s]) for n, s in sessions.items()}

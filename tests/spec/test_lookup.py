@@ -57,11 +57,15 @@ def test_graft_from_the_root_and_when_nothing_is_new():
     assert graft_chain(tree, t()) is tree
 
 
-def test_graft_lookup_is_off_by_default_and_keeps_a_missing_tree():
+def test_graft_lookup_is_off_by_default_and_stands_alone_without_a_tree():
     tree = _tree()
-    context = t(11, 12, 3, 4, 10)
+    context = t(7, 8, 9, 4, 7, 8)
     assert graft_lookup(tree, context, TreeConfig()) is tree
-    assert graft_lookup(None, context, TreeConfig(lookup_tokens=4)) is None
+    assert graft_lookup(None, context, TreeConfig()) is None
+    assert graft_lookup(None, t(1, 2, 3, 4), TreeConfig(lookup_tokens=4)) is None
+    alone = graft_lookup(None, context, TreeConfig(lookup_tokens=2))
+    assert alone.tokens.tolist() == [8, 9, 4] and alone.parent.tolist() == [-1, 0, 1]
+    assert alone.prefix_len == context.numel() - 1 and alone.meta["lookup_nodes"] == 2
 
 
 @pytest.fixture(scope="module")
