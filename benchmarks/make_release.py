@@ -60,7 +60,7 @@ An {meta.get('algorithm', '?').upper()} draft head for the embedded target `{cfg
   optimiser settings in `config.json` (`objective`, `train`).
 - **Command**: `{command}`
 - **Held-out tau** (greedy, bf16, tree depth={cfg.tree.depth} top_k={cfg.tree.top_k}
-  total_tokens={cfg.tree.total_tokens}, questions it trained on excluded):
+  total_tokens={cfg.tree.total_tokens}, lookup_tokens={cfg.tree.lookup_tokens}, questions it trained on excluded):
 
 | benchmark | questions | tau |
 |---|---:|---:|
