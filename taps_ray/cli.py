@@ -373,12 +373,20 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     _config_args(parser)
     parser.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="accept 'Authorization: Bearer KEY' (repeatable; adds to serve.api_keys and the "
+                             "comma-separated TAPS_API_KEY env); without any key the endpoint is open")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from taps_ray.serving.app import run
 
     cfg = _load(args)
+    if args.api_key:
+        try:
+            cfg.serve.api_keys = [*cfg.serve.api_keys, *args.api_key]
+        except ValueError as err:
+            raise UserError(f"--api-key: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     if args.port is not None and not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     run(cfg, args.host, args.port)

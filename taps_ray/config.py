@@ -342,6 +342,18 @@ class ServeConfig(Strict):
     ``route_probe_steps`` / ``route_recheck_every``: request-granularity routing probes with every
     drafter for that many steps, then re-probes every that many steps (0: decides once per request).
     ``model_name``: the served model id (None: the target's name).
+
+    Access and request limits (checked by the ingress before any decoding work):
+    ``api_keys``: Bearer keys accepted on every route but ``/health`` (also ``--api-key`` and the
+    comma-separated ``TAPS_API_KEY`` env; none: the endpoint is open); never dumped with the config.
+    ``docs``: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
+    ``allowed_hosts``: accepted ``Host`` header names (``*.example.com`` wildcards; empty: any).
+    ``max_body_bytes``: request-body cap (413 beyond it). ``max_messages``: messages per chat request.
+    ``max_prompt_chars``: characters over all messages / the prompt. ``max_stop_sequences`` and
+    ``max_stop_chars``: stop strings per request and characters per stop string.
+    ``max_tokens_cap``: the largest ``max_tokens`` a request may ask for.
+    ``max_draft_deadline_s``: the largest ``taps.draft_deadline_s`` a request may ask for (a 400
+    beyond it; None: ``draft_deadline_s``, so clients may only shorten the server's deadline).
     """
 
     host: str = "127.0.0.1"
@@ -362,6 +374,28 @@ class ServeConfig(Strict):
     verifier_num_gpus: float = Field(default=0.0, ge=0)
     ingress_replicas: int = Field(default=1, ge=1)
     ingress_num_cpus: float = Field(default=0.25, ge=0)
+    api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False)
+    docs: bool = False
+    allowed_hosts: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    max_messages: int = Field(default=256, ge=1)
+    max_prompt_chars: int = Field(default=200_000, ge=1)
+    max_stop_sequences: int = Field(default=8, ge=0)
+    max_stop_chars: int = Field(default=256, ge=1)
+    max_tokens_cap: int = Field(default=4096, ge=1)
+    max_draft_deadline_s: float | None = Field(default=None, ge=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: list[str]) -> list[str]:
+        if any(not k or not k.isascii() or not k.isprintable() or any(c.isspace() for c in k) for k in value):
+            raise ValueError("serve.api_keys: each key must be non-empty printable ASCII without spaces")
+        return value
+
+    @property
+    def draft_deadline_cap_s(self) -> float:
+        """The largest per-request ``taps.draft_deadline_s`` accepted."""
+        return self.draft_deadline_s if self.max_draft_deadline_s is None else self.max_draft_deadline_s
 
     @field_validator("drafters", mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from taps_ray.config import ConfigError, ExperimentConfig, apply_overrides, load_config
+from taps_ray.serving.access import resolve_api_keys
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
 from taps_ray.serving.plan import resolve_plan
@@ -45,6 +46,7 @@ class AppArgs(BaseModel):
             cfg = load_config(self.config, self.overrides)
             if self.experiment:
                 raw = cfg.model_dump()
+                raw["serve"]["api_keys"] = list(cfg.serve.api_keys)
                 raw.update(self.experiment)
                 return ExperimentConfig.model_validate(apply_overrides(raw, self.overrides))
             return cfg
@@ -101,7 +103,8 @@ def application(cfg: ExperimentConfig):
     return serve.deployment(Ingress).options(
         name="Ingress", num_replicas=s.ingress_replicas, max_ongoing_requests=max(64, 4 * s.max_concurrent_requests),
         ray_actor_options={"num_cpus": s.ingress_num_cpus},
-    ).bind(verifier, s.model_dump(), cfg.sampling.model_dump(), model_name, [cfg.target.model])
+    ).bind(verifier, s.model_dump(), cfg.sampling.model_dump(), model_name, [cfg.target.model],
+           resolve_api_keys(s.api_keys))
 
 
 def served_model_name(target: str) -> str:
@@ -129,6 +132,8 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
     url = f"http://{host}:{port}"
     log.info("serving %s at %s/v1 (strategy %s, drafters %s); Ctrl-C to stop", cfg.target.model, url,
              cfg.serve.strategy, list(cfg.serve.drafters))
+    if not resolve_api_keys(cfg.serve.api_keys):
+        log.warning("no API keys (serve.api_keys, --api-key, TAPS_API_KEY): anyone who can reach %s may use it", url)
     if not blocking:
         return url
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,9 +1,12 @@
 """OpenAI-compatible FastAPI ingress: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE),
 ``/v1/models``, ``/health`` and ``/metrics``.
 
-Client errors are 4xx with an OpenAI error body naming the field; the ingress validates the body,
-the model and the ``taps`` options, the verifier the prompt against the context length (its first
-streamed event is ``start`` or ``error``, so no HTTP status is committed before that).
+Client errors are 4xx with an OpenAI error body naming the field. Before routing,
+:class:`~taps_ray.serving.access.AccessGuard` checks the Host, the API key, the docs switch and the
+body size; the ingress then validates the body, the model, the ``taps`` options and the server's
+limits (:func:`~taps_ray.serving.protocol.check_limits`); the verifier checks the prompt's token
+count against the context length before prefill (its first streamed event is ``start`` or ``error``,
+so no HTTP status is committed before that).
 """
 
 import asyncio
@@ -17,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from taps_ray.config import SamplingConfig, ServeConfig
+from taps_ray.serving import access, protocol
 from taps_ray.serving import metrics as serving_metrics
-from taps_ray.serving import protocol
 from taps_ray.serving.metrics import ServingMetrics
 from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
@@ -26,6 +29,7 @@ from taps_ray.serving.protocol import ChatCompletionRequest, CompletionRequest, 
 log = logging.getLogger(__name__)
 
 app = FastAPI(title="taps_ray", description="Task-aware speculative decoding, OpenAI-compatible")
+app.add_middleware(access.AccessGuard)
 
 
 def _failed(status: int) -> None:
@@ -39,10 +43,16 @@ async def _request_error(request: Request, err: RequestError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+def _union_tag(part) -> bool:
+    """Whether a pydantic error-location part names a union member (``str``, ``list[int]``,
+    ``function-after[...]``) rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
     if first.get("type") == "json_invalid":
         message, param = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", None
     elif not loc:
@@ -54,6 +64,14 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     return JSONResponse(error_body(message, param=param), status_code=400)
 
 
+def public_checkpoint(checkpoint: str | None) -> str | None:
+    """What ``/v1/models`` shows of a drafter's checkpoint: ``release:NAME`` as is, None (untrained) as
+    None, any folder as ``"local"`` (no filesystem paths)."""
+    if checkpoint is None or checkpoint.startswith("release:"):
+        return checkpoint
+    return "local"
+
+
 def sse_line(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -62,9 +80,15 @@ def sse_line(payload: dict) -> str:
 class Ingress:
     """Ray Serve deployment body of the HTTP API (see :mod:`taps_ray.serving.app`)."""
 
-    def __init__(self, verifier, serve_cfg: dict, sampling: dict, model_name: str, aliases: list[str]):
+    def __init__(self, verifier, serve_cfg: dict, sampling: dict, model_name: str, aliases: list[str],
+                 api_keys: list[str] | None = None):
         self.verifier = verifier
         self.cfg = ServeConfig(**serve_cfg)
+        keys = access.resolve_api_keys(api_keys or ())
+        access.configure(access.AccessPolicy.from_config(self.cfg, keys))
+        if not keys:
+            log.warning("no API keys configured (serve.api_keys, --api-key, %s): the endpoint is open to anyone "
+                        "who can reach it", access.ENV_KEYS)
         self.sampling = SamplingConfig(**sampling).model_dump()
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
@@ -82,7 +106,7 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self):
         drafters = {name: ({"average_of": d.average_of, "alpha": d.alpha} if d.average_of else
-                           {"checkpoint": d.checkpoint}) for name, d in self.cfg.drafters.items()}
+                           {"checkpoint": public_checkpoint(d.checkpoint)}) for name, d in self.cfg.drafters.items()}
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "taps_ray",
             "taps": {"default_strategy": self.cfg.strategy, "drafters": drafters},
@@ -147,6 +171,7 @@ class Ingress:
         return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"])
 
     def _request(self, body, prompt, prompt_param: str) -> DecodeRequest:
+        protocol.check_limits(body, self.cfg)
         if body.model not in self.aliases:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                                "model", status=404, type="not_found_error", code="model_not_found")

@@ -3,15 +3,25 @@
 Requests follow the OpenAI Chat Completions / Completions bodies (unknown keys are ignored, as
 vLLM does); parameters that would change the output but are not supported (``n > 1``,
 ``logprobs``, penalties, ``echo``) are rejected with a 400 naming them, never silently dropped.
+Numbers must be finite and in range (``temperature`` 0 or in [0.01, 2], ``top_p`` in (0, 1],
+``seed`` a signed 64-bit integer) and strings valid Unicode (no lone surrogates); the server's
+size limits (:class:`~taps_ray.config.ServeConfig`) are applied by :func:`check_limits`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from taps_ray.config import ServeConfig
+
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
 class RequestError(Exception):
@@ -37,6 +47,19 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the string is not valid Unicode (a lone surrogate at character {err.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string that encodes as UTF-8 (JSON ``\\ud800`` escapes decode to lone surrogates, which do not)."""
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -52,9 +75,9 @@ class TapsOptions(_Body):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: str | None = None
-    drafters: list[str] | None = Field(default=None, min_length=1)
-    draft_deadline_s: float | None = Field(default=None, ge=0)
+    strategy: Text | None = None
+    drafters: list[Text] | None = Field(default=None, min_length=1)
+    draft_deadline_s: Finite | None = Field(default=None, ge=0)
 
 
 class StreamOptions(_Body):
@@ -64,21 +87,35 @@ class StreamOptions(_Body):
 class _Generation(_Body):
     """Parameters shared by both endpoints."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT64[1])
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: Text | None = None
     taps: TapsOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+            raise ValueError(f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {value!r}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"must be in (0, 1], got {value!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -86,8 +123,6 @@ class _Generation(_Body):
         stops = [value] if isinstance(value, str) else value
         if stops is not None and any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        if stops is not None and len(stops) > 8:
-            raise ValueError(f"at most 8 stop sequences, got {len(stops)}")
         return stops or None
 
     @field_validator("n")
@@ -121,13 +156,13 @@ class _Generation(_Body):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -153,10 +188,10 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("echo", "best_of", "suffix")
     @classmethod
@@ -178,6 +213,36 @@ class CompletionRequest(_Generation):
         if isinstance(value, list) and not value:
             raise ValueError("prompt is empty")
         return value
+
+
+def check_limits(body: ChatCompletionRequest | CompletionRequest, cfg: ServeConfig) -> None:
+    """:class:`RequestError` (400, naming the field, the value and the limit) when ``body`` exceeds the
+    server's limits: messages, prompt characters, stop strings, ``max_tokens`` and ``taps.draft_deadline_s``."""
+    if isinstance(body, ChatCompletionRequest):
+        if len(body.messages) > cfg.max_messages:
+            raise RequestError(f"{len(body.messages)} messages; at most {cfg.max_messages} are accepted", "messages",
+                               code="too_many_messages")
+        chars, param = sum(len(m.text()) + len(m.name or "") for m in body.messages), "messages"
+    else:
+        chars, param = (len(body.prompt) if isinstance(body.prompt, str) else 0), "prompt"
+    if chars > cfg.max_prompt_chars:
+        raise RequestError(f"{chars} characters; at most {cfg.max_prompt_chars} are accepted", param,
+                           code="prompt_too_long")
+    stops = body.stop or []
+    if len(stops) > cfg.max_stop_sequences:
+        raise RequestError(f"{len(stops)} stop sequences; at most {cfg.max_stop_sequences} are accepted", "stop")
+    if (longest := max((len(s) for s in stops), default=0)) > cfg.max_stop_chars:
+        raise RequestError(f"a stop sequence of {longest} characters; at most {cfg.max_stop_chars} per sequence",
+                           "stop")
+    if body.max_tokens is not None and body.max_tokens > cfg.max_tokens_cap:
+        name = "max_tokens"
+        if getattr(body, "max_completion_tokens", None) == body.max_tokens:
+            name = "max_completion_tokens"
+        raise RequestError(f"{body.max_tokens} is more than this server's cap of {cfg.max_tokens_cap} tokens", name)
+    deadline = body.taps.draft_deadline_s if body.taps else None
+    if deadline is not None and deadline > cfg.draft_deadline_cap_s:
+        raise RequestError(f"{deadline:g} s is more than this server's cap of {cfg.draft_deadline_cap_s:g} s",
+                           "taps.draft_deadline_s")
 
 
 class Usage(BaseModel):

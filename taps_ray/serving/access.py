@@ -1,0 +1,172 @@
+"""Checks every HTTP request passes before routing, as a pure ASGI middleware (no Ray): the Host
+allow-list (400), the API key (401, every route but ``/health``), the docs switch (404) and the
+body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too).
+Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_body`)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from taps_ray.config import ServeConfig
+from taps_ray.serving.protocol import error_body
+
+ENV_KEYS = "TAPS_API_KEY"
+OPEN_PATHS = frozenset({"/health"})
+DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+def resolve_api_keys(configured: Iterable[str], environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``configured`` keys plus the comma-separated ``TAPS_API_KEY`` ones, deduplicated in order."""
+    from_env = [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
+    return list(dict.fromkeys([*configured, *from_env]))
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """What :class:`AccessGuard` enforces; no ``api_keys`` means open access, no ``allowed_hosts`` any Host."""
+
+    api_keys: tuple[bytes, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    docs: bool = False
+    max_body_bytes: int = 2 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, cfg: ServeConfig, api_keys: Iterable[str]) -> AccessPolicy:
+        return cls(tuple(k.encode() for k in api_keys), tuple(h.lower() for h in cfg.allowed_hosts), cfg.docs,
+                   cfg.max_body_bytes)
+
+    def key_ok(self, token: bytes) -> bool:
+        """Constant-time comparison against every key (no early exit)."""
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    def host_ok(self, host: str | None) -> bool:
+        if not self.allowed_hosts:
+            return True
+        name = _host_name(host or "")
+        return bool(name) and any(name == h or (h.startswith("*.") and name.endswith(h[1:]))
+                                  for h in self.allowed_hosts)
+
+
+_policy: AccessPolicy | None = None
+
+
+def configure(policy: AccessPolicy) -> None:
+    """Install the policy this process's :class:`AccessGuard` enforces (the ingress replica calls it)."""
+    global _policy
+    _policy = policy
+
+
+def current_policy() -> AccessPolicy | None:
+    return _policy
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else ""
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class AccessGuard:
+    """ASGI middleware enforcing ``policy()`` (None: 503, the ingress is not configured yet)."""
+
+    def __init__(self, app, policy: Callable[[], AccessPolicy | None] = current_policy):
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy()
+        reply = self._refuse(scope, policy)
+        if reply is None:
+            try:
+                receive = await self._buffer(scope, receive, policy.max_body_bytes)
+            except BodyTooLarge:
+                reply = _error(413, f"the request body exceeds the limit of {policy.max_body_bytes} bytes", "body",
+                               "request_too_large")
+        if reply is not None:
+            await reply(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _refuse(scope, policy: AccessPolicy | None) -> JSONResponse | None:
+        if policy is None:
+            return _error(503, "the server is starting; retry shortly", None, "not_ready", "server_error")
+        headers = Headers(scope=scope)
+        path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if not policy.host_ok(headers.get("host")):
+            return _error(400, "Host: this server does not answer for the requested host name", "Host",
+                          "host_not_allowed")
+        if policy.api_keys and path not in OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return _unauthorized("Authorization: missing API key; send the header 'Authorization: Bearer <key>'")
+            if not policy.key_ok(token.strip().encode("latin-1")):
+                return _unauthorized("Authorization: incorrect API key provided")
+        if not policy.docs and path in DOC_PATHS:
+            return _error(404, f"no route {path}", None, "not_found", "not_found_error")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                return _error(400, "Content-Length: must be a non-negative integer", "Content-Length",
+                              "invalid_content_length")
+            if int(length) > policy.max_body_bytes:
+                return _error(413, f"the request body ({int(length)} bytes) exceeds the limit of "
+                                   f"{policy.max_body_bytes} bytes", "body", "request_too_large")
+        return None
+
+    @staticmethod
+    async def _buffer(scope, receive, limit: int):
+        """Read the whole body (raising :class:`BodyTooLarge` past ``limit``); a ``receive`` replaying it."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                first = message
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        else:
+            first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return first
+            return await receive()
+
+        return replay
+
+
+def _error(status: int, message: str, param: str | None, code: str | None,
+           type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    return _error(401, message, "Authorization", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
