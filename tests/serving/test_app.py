@@ -184,6 +184,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize("path, body, status, param", [
     (CHAT, '{"model": "smollm2-135m", "messages": [', 400, None),
     (CHAT, {"model": MODEL}, 400, "messages"),
+    (CHAT, '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "temperature"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
     (CHAT, {"model": "gpt-4o", "messages": MESSAGES}, 404, "model"),
