@@ -135,6 +135,7 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep tree total_tokens x depth")
     parser.add_argument("--sweep-total", default="4,8,16,32", help="total_tokens values of the sweep")
     parser.add_argument("--sweep-depth", default="1,2,4", help="depth values of the sweep")
+    parser.add_argument("--sweep-lookup", default=None, help="lookup_tokens values of the sweep (default: the config's)")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -162,9 +163,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
     totals = _int_list(args.sweep_total, "--sweep-total") if args.sweep else None
     depths = _int_list(args.sweep_depth, "--sweep-depth") if args.sweep else None
+    lookups = _int_list(args.sweep_lookup, "--sweep-lookup") if args.sweep and args.sweep_lookup else None
     if totals:
         try:
-            [TreeConfig(depth=d, top_k=cfg.tree.top_k, total_tokens=n) for d in depths for n in totals]
+            [TreeConfig(**{**cfg.tree.model_dump(), "depth": d, "total_tokens": n, "lookup_tokens": m})
+             for d in depths for n in totals for m in (lookups or [cfg.tree.lookup_tokens])]
         except ValueError as err:
             raise UserError(f"invalid sweep values: {err}") from None
     try:
@@ -184,7 +187,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"taps bench: questions the drafter trained on are excluded ({len(seen)} training prompts known)",
               file=sys.stderr)
     report = run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
-                       sweep_total=totals, sweep_depth=depths, sampling=sampling, reference=reference,
+                       sweep_total=totals, sweep_depth=depths, sweep_lookup=lookups, sampling=sampling, reference=reference,
                        settings={"benchmark": args.benchmark, "drafter": drafter_name or "untrained (fresh init)"})
     json_path, md_path = write_report(report, args.out or cfg.run_dir / "bench")
     print(report.to_markdown())

@@ -177,20 +177,27 @@ class BenchReport:
                 "A tree pays when its drafter's tau exceeds the break-even tau = spec step CPU time / vanilla "
                 "step CPU time (vanilla interleaved with the trees; times are CPU ms per step).",
                 "",
-                "| depth | top_k | total_tokens | tau | tok/s | speedup | CPU speedup | draft ms | verify ms "
-                "| vanilla ms | break-even tau |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "| depth | top_k | total_tokens | lookup_tokens | tau | tok/s | speedup | CPU speedup | draft ms "
+                "| verify ms | vanilla ms | break-even tau |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for row in self.sweep:
-                lines.append(f"| {row['depth']} | {row['top_k']} | {row['total_tokens']} | {_fmt(row['tau'])} | "
+                lines.append(f"| {row['depth']} | {row['top_k']} | {row['total_tokens']} | "
+                             f"{row.get('lookup_tokens', 0)} | {_fmt(row['tau'])} | "
                              f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['cpu_speedup']:.2f}x | "
                              f"{row['draft_ms']:.1f} | {row['verify_ms']:.1f} | {row['vanilla_ms']:.1f} | "
                              f"{row['break_even_tau']:.2f} |")
             best = pick_tree(self.sweep)
             lines += ["", f"Fastest tree for this drafter here: `tree.depth={best['depth']} tree.top_k={best['top_k']} "
-                          f"tree.total_tokens={best['total_tokens']}` (CPU speedup {best['cpu_speedup']:.2f}x, tau "
+                          f"tree.total_tokens={best['total_tokens']} tree.lookup_tokens={best.get('lookup_tokens', 0)}` "
+                          f"(CPU speedup {best['cpu_speedup']:.2f}x, tau "
                           f"{_fmt(best['tau'])}, break-even tau {best['break_even_tau']:.2f})."]
         return "\n".join(lines) + "\n"
+
+
+def tree_note(tree: TreeConfig) -> str:
+    note = f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}"
+    return note + (f" lookup_tokens={tree.lookup_tokens}" if tree.lookup_tokens else "")
 
 
 def pick_tree(sweep: list[dict]) -> dict | None:
@@ -246,6 +253,7 @@ def run_bench(
     hf: bool = True,
     sweep_total: list[int] | None = None,
     sweep_depth: list[int] | None = None,
+    sweep_lookup: list[int] | None = None,
     settings: dict | None = None,
     sampling: SamplingConfig | None = None,
     reference: TargetModel | None = None,
@@ -264,8 +272,7 @@ def run_bench(
         methods["hf-prompt-lookup"] = hf_generate(target, max_new_tokens, PROMPT_LOOKUP_TOKENS)
     methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens, sampling)
     runs = run_methods(prompts, methods)
-    notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}",
-             "spec": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}"}
+    notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}", "spec": tree_note(tree)}
     rows = [summarize_runs(name, method_runs, notes.get(name, "")) for name, method_runs in runs.items()]
     base = rows[0]
     for row in rows:
@@ -275,15 +282,15 @@ def run_bench(
             row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
 
     sweep = []
-    if sweep_total or sweep_depth:
+    if sweep_total or sweep_depth or sweep_lookup:
         sweep = run_sweep(target, prompts, drafter, tree, max_new_tokens, sweep_total or [tree.total_tokens],
-                          sweep_depth or [tree.depth])
+                          sweep_depth or [tree.depth], sweep_lookup or [tree.lookup_tokens])
     sampling_note = ("greedy" if greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p} "
                      f"top_k={sampling.top_k} seed={sampling.seed}")
     info = {
         "sampling": sampling_note, "target": target.name, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "tree": f"depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens}",
+        "tree": tree_note(tree),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_before": load_before, "load_after": round(os.getloadavg()[0], 2), **(settings or {}),
     }
@@ -300,16 +307,18 @@ def run_sweep(
     max_new_tokens: int,
     totals: list[int],
     depths: list[int],
+    lookups: list[int] | None = None,
 ) -> list[dict]:
-    """tau, speed and break-even tau of the spec strategy for each (depth, total_tokens).
+    """tau, speed and break-even tau of the spec strategy for each (depth, total_tokens, lookup_tokens).
 
     Vanilla runs interleaved with the trees; per-step costs are CPU ms (mean over all steps) and
     break-even tau = (draft + verify) / vanilla step.
     """
-    grid = [TreeConfig(depth=d, top_k=tree.top_k, total_tokens=n) for d in depths for n in totals]
+    grid = [tree.model_copy(update={"depth": d, "total_tokens": n, "lookup_tokens": m})
+            for d in depths for n in totals for m in (lookups or [tree.lookup_tokens])]
     methods: dict[str, Method] = {"vanilla": ours(target, lambda: None, max_new_tokens)}
     for cfg in grid:
-        methods[f"d{cfg.depth}-n{cfg.total_tokens}"] = ours(target, lambda cfg=cfg: SingleStrategy(drafter, cfg),
+        methods[f"d{cfg.depth}-n{cfg.total_tokens}-l{cfg.lookup_tokens}"] = ours(target, lambda cfg=cfg: SingleStrategy(drafter, cfg),
                                                              max_new_tokens)
     runs = run_methods(prompts, methods, desc="sweep")
 
@@ -324,7 +333,8 @@ def run_sweep(
         row = summarize_runs(name, runs[name])
         draft_ms, verify_ms = mean_ms(runs[name], lambda rec: rec.draft_s), mean_ms(runs[name], lambda rec: rec.verify_s)
         rows.append({
-            "depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens, "tau": row.tau,
+            "depth": cfg.depth, "top_k": cfg.top_k, "total_tokens": cfg.total_tokens,
+            "lookup_tokens": cfg.lookup_tokens, "tau": row.tau,
             "tokens_per_s": row.tokens_per_s, "speedup": row.tokens_per_s / base.tokens_per_s,
             "cpu_speedup": row.tokens_per_cpu_s / base.tokens_per_cpu_s, "draft_ms": draft_ms,
             "verify_ms": verify_ms, "vanilla_ms": vanilla_ms, "break_even_tau": (draft_ms + verify_ms) / vanilla_ms,

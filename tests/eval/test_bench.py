@@ -25,8 +25,8 @@ def test_bench_tiny_target(tmp_path, one_thread):
     target = peaky_tiny_target(0)
     prompts = [random_prompt(target, 12, seed) for seed in range(2)]
     report = run_bench(target, prompts, DraftHead(target.config, seed=1), TreeConfig(depth=2, top_k=3, total_tokens=8),
-                       max_new_tokens=10, sweep_total=[4, 8], sweep_depth=[1], settings={"benchmark": "random",
-                                                                                          "drafter": "fresh"})
+                       max_new_tokens=10, sweep_total=[4, 8], sweep_depth=[1], sweep_lookup=[0, 3],
+                       settings={"benchmark": "random", "drafter": "fresh"})
     rows = {row.method: row for row in report.methods}
     assert list(rows) == ["vanilla", "hf-greedy", "hf-prompt-lookup", "spec"]
     for row in rows.values():
@@ -34,7 +34,8 @@ def test_bench_tiny_target(tmp_path, one_thread):
     assert rows["vanilla"].speedup == rows["vanilla"].cpu_speedup == 1.0
     assert rows["vanilla"].tau == 1.0 and rows["hf-greedy"].tau == 1.0 and rows["spec"].step_cpu_ms > 0
     assert rows["hf-prompt-lookup"].tau >= 1.0 and rows["spec"].steps >= 2
-    assert [(r["depth"], r["total_tokens"]) for r in report.sweep] == [(1, 4), (1, 8)]
+    assert [(r["depth"], r["total_tokens"], r["lookup_tokens"]) for r in report.sweep] == [
+        (1, 4, 0), (1, 4, 3), (1, 8, 0), (1, 8, 3)]
     assert all(r["break_even_tau"] > 0 and r["vanilla_ms"] > 0 for r in report.sweep)
     best = max(report.sweep, key=lambda r: r["cpu_speedup"])
     json_path, md_path = write_report(report, tmp_path / "bench")
@@ -43,7 +44,8 @@ def test_bench_tiny_target(tmp_path, one_thread):
     assert sorted(p.name for p in json_path.parent.iterdir()) == ["bench.json", "bench.md"]
     markdown = md_path.read_text()
     assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
-    assert f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']}" in markdown
+    assert (f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']} "
+            f"tree.lookup_tokens={best['lookup_tokens']}") in markdown
     assert written["exactness"]["identical"] == {"hf-greedy": 2, "hf-prompt-lookup": 2, "spec": 2}
     assert written["exactness"]["divergences"] == [] and "## Exactness" in markdown
 
