@@ -117,7 +117,8 @@ class Ingress:
         try:
             await asyncio.wait_for(self.verifier.info.remote(), timeout=5.0)
         except Exception as err:
-            return JSONResponse({"status": "unavailable", "detail": repr(err)}, status_code=503)
+            log.warning("health: the verifier did not answer: %r", err)
+            return JSONResponse({"status": "unavailable", "detail": "the verifier did not answer"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -177,6 +177,17 @@ def test_health_is_open_without_a_key(serve_app):
                                       {"status": "ok"})
 
 
+def test_an_unhealthy_verifier_is_a_503_that_leaks_nothing(serve_app, monkeypatch):
+    call = serve_app()
+
+    async def down():
+        raise RuntimeError("ActorDiedError: actor 9f3c at 10.0.0.7 pid 4242 /secret/path")
+
+    monkeypatch.setattr(FakeVerifier, "info", property(lambda self: SimpleNamespace(remote=down)))
+    status, _, data = call("GET", "/health")
+    assert status == 503 and data == {"status": "unavailable", "detail": "the verifier did not answer"}
+
+
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
 def test_docs_are_off_by_default_and_on_with_serve_docs(serve_app, path):
     status, _, data = serve_app()("GET", path)
