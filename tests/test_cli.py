@@ -63,3 +63,19 @@ def test_export_writes_an_eagle_folder_that_loads_back(tmp_path, capsys):
     for message, argv in refusals.items():
         assert main(["export", *argv, "--format", "eagle"]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_serve_api_key_flags_add_to_the_configured_keys(monkeypatch, capsys):
+    from taps_ray import cli
+    from taps_ray.serving import app
+
+    served = []
+    monkeypatch.setattr(app, "run", lambda cfg, host, port: served.append((cfg, host, port)))
+    assert cli._run_serve(parse(["serve", DEMO, "serve.api_keys=[k0]", "--api-key", "k1", "--api-key", "k2",
+                                 "--port", "8123"])) == 0
+    cfg, _, port = served[0]
+    assert cfg.serve.api_keys == ["k0", "k1", "k2"] and port == 8123
+    assert cli.main(["serve", DEMO, "--api-key", "has space"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err and "has space" not in err
+    assert len(served) == 1
