@@ -174,13 +174,22 @@ def parse_fail_at(value: str | int | None, variant: str) -> int | None:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` of one variant (rank 0): one JSON object per line, each with ``step``."""
+    """``metrics.jsonl`` of one variant (rank 0): one JSON object per line, each with ``step``; the same
+    numbers as TensorBoard scalars (``<kind>/<name>``, x = step) in ``tensorboard/`` beside it.
+
+    A resumed run truncates both to its checkpoint's step (TensorBoard through ``purge_step``), so
+    replayed steps are not shown twice."""
+
+    SKIP = ("kind", "step", "epoch", "time")
 
     def __init__(self, path: str | Path | None):
         self.path = Path(path) if path else None
+        self._writer = None
+        self._purge_step: int | None = None
 
     def truncate(self, step: int) -> None:
         """Drop records after ``step`` (a resumed run replays from there)."""
+        self._purge_step = step + 1
         if self.path is None or not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
@@ -195,6 +204,23 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=float) + "\n")
+        writer = self._tensorboard()
+        for name, value in record.items():
+            if name not in self.SKIP and isinstance(value, int | float) and math.isfinite(value):
+                writer.add_scalar(f"{record.get('kind', 'metrics')}/{name}", value, record["step"])
+        writer.flush()
+
+    def _tensorboard(self):
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=self._purge_step)
+        return self._writer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 @dataclass
@@ -483,5 +509,6 @@ def train_loop_per_worker(config: dict) -> dict:
                 + f" tau {state.heldout[f'heldout/{name}/tau']:.2f}"
                 for name in sorted(heldout)))
         report({"epoch": epoch + 1, **last, **state.heldout}, final=epoch + 1 == total_epochs)
+    metrics_log.close()
     return {"step": state.step, **state.heldout} if rank == 0 else {}
 

@@ -4,6 +4,7 @@ hook, metrics log, draft vocabulary, train/variant configs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import numpy as np
@@ -115,6 +116,42 @@ def test_metrics_log_truncates_to_resumed_step(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6] and records[-1]["again"]
     MetricsLog(None).append({"step": 1})
+
+
+def _events(path: Path) -> list:
+    """Events of one TensorBoard event file (TFRecord framing: length, crc, payload, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    data, events, offset = path.read_bytes(), [], 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        payload = data[offset + 12: offset + 12 + length]
+        events.append(event_pb2.Event.FromString(payload))
+        offset += 12 + length + 4
+    return events
+
+
+def test_metrics_log_writes_tensorboard_scalars_and_purges_replayed_steps(tmp_path):
+    log = MetricsLog(tmp_path / "v" / "metrics.jsonl")
+    for step in (2, 4, 6):
+        log.append({"kind": "train", "step": step, "epoch": 1, "time": 0.0, "loss": 1.0 / step, "lr": 1e-3})
+    log.append({"kind": "eval", "step": 6, "heldout/math/tau": 1.5, "note": "text", "nan": float("nan")})
+    log.close()
+    first = sorted((tmp_path / "v" / "tensorboard").iterdir())
+    scalars = [(e.step, v.tag, round(v.simple_value, 6)) for f in first for e in _events(f) for v in e.summary.value]
+    assert scalars == [(2, "train/loss", 0.5), (2, "train/lr", 0.001), (4, "train/loss", 0.25), (4, "train/lr", 0.001),
+                       (6, "train/loss", round(1 / 6, 6)), (6, "train/lr", 0.001), (6, "eval/heldout/math/tau", 1.5)]
+    resumed = MetricsLog(tmp_path / "v" / "metrics.jsonl")
+    resumed.truncate(4)
+    resumed.append({"kind": "train", "step": 6, "loss": 0.1})
+    resumed.close()
+    events = [e for f in sorted((tmp_path / "v" / "tensorboard").iterdir()) for e in _events(f)]
+    purge = [i for i, e in enumerate(events) if e.HasField("session_log") and e.step == 5]
+    assert purge and events[purge[0]].session_log.status == events[purge[0]].session_log.START
+    after = [(e.step, v.tag, round(v.simple_value, 6)) for e in events[purge[0]:] for v in e.summary.value]
+    assert after == [(6, "train/loss", 0.1)]
 
 
 def test_draft_vocabulary_from_assistant_tokens(tmp_path):
