@@ -4,8 +4,8 @@ hook, metrics log, draft vocabulary, train/variant configs."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
