@@ -23,9 +23,11 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """``query`` [B, heads, n, d], ``key``/``value`` [B, kv_heads, P + n, d], additive ``attention_mask``
     [B, 1, n, P + n] -> output [B, n, heads, d]. Masked multi-query calls use ``enable_gqa``; every
-    other call is transformers' own ``sdpa``."""
+    other call, and any with soft-capping, attention sinks or a position bias, is transformers' own
+    ``sdpa`` (which refuses soft-capping). ``scaling`` is the model's; sliding windows are in the mask."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups == 1 or attention_mask is None or query.shape[2] == 1 or kwargs.get("position_bias") is not None:
+    extra = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))
+    if groups == 1 or attention_mask is None or query.shape[2] == 1 or extra:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(

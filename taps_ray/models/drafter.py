@@ -34,8 +34,18 @@ class DrafterLoadError(RuntimeError):
     """A drafter checkpoint is missing, corrupt, or belongs to another target."""
 
 
+def drafter_rope(text_config) -> dict | None:
+    """The target's RoPE parameters for the drafter's one Llama layer; the full-attention entry when they
+    are given per layer type (Gemma-3)."""
+    rope = copy.deepcopy(getattr(text_config, "rope_parameters", None))
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    return rope
+
+
 def drafter_llama_config(target_config) -> LlamaConfig:
-    """One-layer Llama config with the target's sizes (hidden, heads, kv heads, MLP, rope)."""
+    """One-layer Llama config with the target's sizes (hidden, heads, kv heads, head_dim, MLP, activation,
+    rope: :func:`drafter_rope`)."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     cfg = LlamaConfig(
         vocab_size=text.vocab_size,
@@ -45,10 +55,10 @@ def drafter_llama_config(target_config) -> LlamaConfig:
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        hidden_act=getattr(text, "hidden_act", "silu"),
+        hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu",
         max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
-        rope_parameters=copy.deepcopy(getattr(text, "rope_parameters", None)),
+        rope_parameters=drafter_rope(text),
         attention_bias=getattr(text, "attention_bias", False),
         mlp_bias=getattr(text, "mlp_bias", False),
     )

@@ -7,6 +7,7 @@ Shapes: ``B`` batch, ``T``/``n`` query length, ``P`` cached prefix length, ``H``
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from taps_ray import artifacts
 from taps_ray.config import TargetConfig
@@ -156,16 +158,64 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
     return model, tok
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(model: PreTrainedModel, name: str) -> list[int | None]:
+    """Per decoder layer, the sliding window of its attention (None: full attention).
+
+    TargetLoadError naming the family and the reason when tree verification cannot be exact on
+    ``model``: a layer type other than :data:`ATTENTION_LAYER_TYPES` (chunked, linear, KV-sharing,
+    ...), bidirectional attention, or sliding and full layers in a model whose forward does not
+    take one mask per layer type.
+    """
+    config = model.config.get_text_config(decoder=True)
+    family = getattr(config, "model_type", type(model).__name__)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise TargetLoadError(f"target {name!r} ({family}) uses bidirectional attention; only causal LMs are "
+                              f"supported")
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    for i, kind in enumerate(layer_types):
+        if kind not in ATTENTION_LAYER_TYPES:
+            raise TargetLoadError(f"target {name!r} ({family}) has {kind!r} layers (layer {i}); tree verification "
+                                  f"supports {' and '.join(ATTENTION_LAYER_TYPES)} layers only")
+    windows = [kw.get("sliding_window") if kind == "sliding_attention" else None
+               for kind, kw in zip(layer_types, layer_kwargs)]
+    sizes = sorted({w for w in windows if w is not None})
+    if len(sizes) > 1:
+        raise TargetLoadError(f"target {name!r} ({family}) has sliding windows of sizes {sizes}; tree verification "
+                              f"supports one window size")
+    if sizes and None in windows:
+        try:
+            per_type = "causal_mask_mapping" in inspect.getsource(type(model.base_model).forward)
+        except (OSError, TypeError):
+            per_type = False
+        if not per_type:
+            raise TargetLoadError(f"target {name!r} ({family}) mixes sliding and full attention layers but its "
+                                  f"forward takes no per-layer-type mask; a tree mask cannot respect both")
+    return windows
+
+
 class TargetModel:
     """A frozen causal LM with the operations speculative decoding needs.
 
     ``forward`` runs ``tokens`` [B, n] at ``positions`` [B, n] on top of ``cache`` (prefix length
-    P) with an optional additive float mask [B, 1, n, P + n]; without a mask the new tokens are
-    causal among themselves. The cache is extended in place by n entries.
+    P, positions ``0 .. P-1``) with an optional additive float mask [B, 1, n, P + n]; without a mask
+    the new tokens are causal among themselves. Sliding-window layers additionally see only keys
+    less than their window behind the query. The cache is extended in place by n entries.
+
+    Families whose verification would not be exact are refused with :class:`TargetLoadError`
+    (see :func:`attention_windows`; also an LM head whose logits are not ``lm_head(hidden)``, final
+    soft-capping included).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, name: str):
         model.eval().requires_grad_(False)
+        self.windows = attention_windows(model, name)
+        text = model.config.get_text_config(decoder=True)
+        self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
+        if getattr(text, "attn_logit_softcapping", None) is not None and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation("eager")
         use_gqa_sdpa(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -187,6 +237,7 @@ class TargetModel:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
+        self._check_head()
 
     @classmethod
     def load(cls, cfg: TargetConfig | None = None) -> TargetModel:
@@ -222,8 +273,43 @@ class TargetModel:
         sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
         return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
+    @torch.inference_mode()
+    def _check_head(self) -> None:
+        """TargetLoadError unless :meth:`logits` of the base model's hidden states equal the model's own logits."""
+        ids = torch.arange(min(6, self.vocab_size), device=self.device)[None]
+        own = self.model(input_ids=ids, use_cache=False).logits.float()
+        ours = self.logits(self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+        tol = max(1e-3, 4 * torch.finfo(self.dtype).eps) * (1 + float(own.abs().max()))
+        if not torch.allclose(own, ours, rtol=0, atol=tol):
+            raise TargetLoadError(
+                f"target {self.name!r} ({self.config.model_type}): its logits are not lm_head(hidden)"
+                f"{' soft-capped' if self.final_softcap else ''} (max difference "
+                f"{float((own - ours).abs().max()):.3g}); this head is not supported")
+
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        """An empty cache of full-history layers, sliding-window layers included (their window is applied
+        by the attention mask), so that :func:`crop_cache` and :func:`compact_cache` stay exact."""
+        return DynamicCache()
+
+    def layer_masks(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive ``mask`` [B, 1, n, P + n] for every layer, restricted to each layer's window.
+
+        ``positions`` [B, n] are the query positions; keys are the cache's positions ``0 .. P-1`` then
+        ``positions``. A key at position q is visible to a query at p of a layer with window w only if
+        ``p - q < w`` (as in transformers' sliding masks). One tensor when all layers share a window,
+        else ``{"full_attention": .., "sliding_attention": ..}``.
+        """
+        windows = {w for w in self.windows if w is not None}
+        if not windows:
+            return mask
+        past = mask.shape[-1] - positions.shape[1]
+        keys = torch.cat([torch.arange(past, device=positions.device).expand(positions.shape[0], -1), positions], 1)
+        window = windows.pop()
+        outside = (positions[:, None, :, None] - keys[:, None, None, :]) >= window
+        sliding = mask.masked_fill(outside, torch.finfo(mask.dtype).min)
+        if None not in self.windows:
+            return sliding
+        return {"full_attention": mask, "sliding_attention": sliding}
 
     @torch.inference_mode()
     def forward(
@@ -233,15 +319,16 @@ class TargetModel:
         cache: DynamicCache,
         attention_mask_4d: torch.Tensor | None = None,
     ) -> TargetOutput:
+        mask = None if attention_mask_4d is None else self.layer_masks(attention_mask_4d, positions)
         out = self.model.base_model(
             input_ids=tokens,
             position_ids=positions,
-            attention_mask=attention_mask_4d,
+            attention_mask=mask,
             cache=cache,
             use_cache=True,
         )
         hidden = out.last_hidden_state
-        return TargetOutput(logits=self.lm_head(hidden).float(), hidden=hidden, cache=cache)
+        return TargetOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> TargetOutput:
         """Run ``input_ids`` [B, T] causally after ``cache`` (new cache when None)."""
@@ -259,7 +346,11 @@ class TargetModel:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits [.., V] float32 of ``hidden`` [.., H], soft-capped as the model does (Gemma-2/3)."""
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> torch.Tensor:
         """Token ids [1, T] of ``messages`` under the target's chat template."""
@@ -277,9 +368,19 @@ class TargetModel:
                 "dtype_note": self.dtype_note, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
+def _full_history_layers(cache: DynamicCache) -> None:
+    """ValueError naming the first layer that is not a plain :class:`DynamicLayer` (a sliding-window layer
+    drops entries and counts positions apart from its buffer, so slicing its keys/values is wrong)."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__}; crop/compact need full-history "
+                             f"DynamicLayer layers (TargetModel.new_cache, DynamicCache() without a config)")
+
+
 @torch.inference_mode()
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every cache entry at position >= ``length`` (in place)."""
+    """Drop every cache entry at position >= ``length`` (in place); full-history layers only."""
+    _full_history_layers(cache)
     for layer in cache.layers:
         if layer.is_initialized and layer.keys.shape[-2] > length:
             layer.keys = layer.keys[..., :length, :]
@@ -291,8 +392,10 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     """Keep the prefix plus the entries at ``prefix_len + keep`` (``keep`` [k], ascending), in place.
 
     Used after tree verification: the tree's N entries sit after the prefix; only the accepted
-    path's k entries stay, moved to positions ``prefix_len .. prefix_len + k - 1``.
+    path's k entries stay, moved to positions ``prefix_len .. prefix_len + k - 1``. Full-history
+    layers only (ValueError otherwise).
     """
+    _full_history_layers(cache)
     k = keep.numel()
     index = keep.to(torch.long) + prefix_len
     for layer in cache.layers:
