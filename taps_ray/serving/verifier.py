@@ -103,8 +103,8 @@ class RemoteStrategy:
     ``on_tokens`` receives the token ids the loop commits (the first token, then each step's accepted +
     bonus tokens; the last step's come back with the loop's result) and may raise :class:`StopGeneration`.
     ``cancel`` / ``expires`` (monotonic time) stop the loop with reason ``cancelled`` / ``timeout``.
-    ``lookup`` (its ``lookup_*`` fields) grafts prompt-lookup chains onto the composed tree, or proposes
-    the chain alone when no drafter answered (:mod:`taps_ray.spec.lookup`).
+    ``lookup`` (its ``lookup_*`` fields; None: none) grafts prompt-lookup chains onto the composed tree,
+    or proposes the chain alone when no drafter answered (:mod:`taps_ray.spec.lookup`).
     """
 
     def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
@@ -112,7 +112,7 @@ class RemoteStrategy:
                  cancel: threading.Event | None = None, expires: float | None = None,
                  probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None):
         self.name = plan.name
-        self.lookup = lookup or TreeConfig()
+        self.lookup = lookup or TreeConfig(lookup_tokens=0)
         self.rid = rid
         self.plan = plan
         self.names = list(plan.drafters)
