@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +26,15 @@ from taps_ray.eval.bench import drafter_tau
 from taps_ray.models.drafter import DraftHead, read_drafter_meta
 from taps_ray.models.release import RELEASE_DIR
 from taps_ray.models.target import TargetModel
+
+
+def public_meta(meta: dict) -> dict:
+    """``meta`` without this machine's paths: data origins keep their portable part (wheel or
+    ``$TAPS_DATA_DIR`` name), feature sets their cache key only."""
+    data = {name: {**info, "origin": str(info.get("origin", "")).split(" (/")[0],
+                   "features": Path(str(info.get("features", ""))).name}
+            for name, info in (meta.get("data") or {}).items()}
+    return {**meta, "data": data} if data else meta
 
 
 def data_lines(meta: dict) -> str:
@@ -89,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = read_drafter_meta(source)
     seen = union_trained_prompts([source])
     out = RELEASE_DIR / args.name
-    drafter.to(torch.bfloat16).save(out, target.fingerprint,
-                                    extra={k: v for k, v in meta.items() if k not in ("architecture", "drafter",
-                                                                                       "draft_vocab_size", "target",
-                                                                                       "seed")})
+    extra = {k: v for k, v in meta.items() if k not in ("architecture", "drafter", "draft_vocab_size", "target", "seed")}
+    drafter.to(torch.bfloat16).save(out, target.fingerprint, extra=public_meta(extra))
     if (source / TRAINED_PROMPTS).is_file():
-        shutil.copy(source / TRAINED_PROMPTS, out / TRAINED_PROMPTS)
+        prompts = json.loads((source / TRAINED_PROMPTS).read_text())
+        prompts["sources"] = [str(s).split(" (/")[0] for s in prompts.get("sources", [])]
+        (out / TRAINED_PROMPTS).write_text(json.dumps(prompts, indent=0))
     released = DraftHead.load(out, target.config, target.fingerprint, target.device, target.dtype)
     results = [drafter_tau(target, released, cfg.tree, b, args.limit, args.max_new_tokens, seen)
                for b in (args.benchmark or ["gsm8k"])]

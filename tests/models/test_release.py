@@ -29,3 +29,17 @@ def test_shipped_release_drafters_fit_the_size_budget_and_have_cards():
     for name in names:
         card = (release.RELEASE_DIR / name / "README.md").read_text()
         assert "Held-out tau" in card and "Command" in card and "Date" in card
+
+
+def test_shipped_release_drafters_name_no_local_path_and_load_on_the_embedded_target(embedded_target):
+    import re
+
+    local = re.compile(r"""(^|[\s"'(=])/(root|home|work|tmp|Users|mnt|data)/""")
+    names = release.release_names()
+    assert {"math", "chat"} <= set(names), f"shipped: {names}"
+    for name in names:
+        for path in (release.RELEASE_DIR / name).iterdir():
+            if path.suffix in (".json", ".md"):
+                assert not local.search(path.read_text()), f"{path} names a path of the machine that made it"
+        head = DraftHead.load(f"release:{name}", embedded_target.config, embedded_target.fingerprint)
+        assert head.draft_to_target is not None and (release.RELEASE_DIR / name / "trained_prompts.json").is_file()
