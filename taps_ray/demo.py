@@ -29,7 +29,7 @@ FULL = [
     "train.epochs=4", "train.lr=1.0e-3", "eval.limit=10", "eval.max_new_tokens=96",
 ]
 ROLES = {"math": "hass-math", "chat": "hass-chat", "mixed": "hass-mixed"}
-RELEASE_STRATEGIES = ["vanilla", "single", "routed:confidence:step", "merged:budget"]
+RELEASE_STRATEGIES = ["vanilla", "single", "routed:confidence:request", "routed:confidence:step", "merged:budget"]
 RELEASE_SECTIONS = ("Acceptance length tau", "Wall-clock speed")
 
 
