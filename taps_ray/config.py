@@ -141,16 +141,16 @@ class MixtureConfig(Strict):
 
 class TreeConfig(Strict):
     """EAGLE-2 dynamic draft tree: ``depth`` expansions after the first level, ``top_k`` branching,
-    ``total_tokens`` verified nodes including the root.
+    ``total_tokens`` verified nodes including the root, plus a prompt-lookup chain (:mod:`taps_ray.spec.lookup`).
 
-    Defaults are the CPU setting measured in docs/BENCHMARKS.md (a tree costs ~3 ms of target
-    compute per node there, so small trees break even soonest); the paper's GPU setting is
-    depth 5, top_k 10, total_tokens 60 (configs/paper-llama3-8b.yaml)."""
+    Defaults are the CPU setting picked by the bf16 tree sweep with ``release:math`` in
+    docs/BENCHMARKS.md (depth 2, 16 nodes, lookup 8: the fastest of depth 1-3 x 8-16 nodes x lookup
+    0/8); the paper's GPU setting is depth 5, top_k 10, total_tokens 60 (configs/paper-llama3-8b.yaml)."""
 
     depth: int = Field(default=2, ge=0)
     top_k: int = Field(default=3, ge=1)
-    total_tokens: int = Field(default=8, ge=2)
-    lookup_tokens: int = Field(default=0, ge=0)    # prompt-lookup chain grafted onto each tree, at most this long (0: off)
+    total_tokens: int = Field(default=16, ge=2)
+    lookup_tokens: int = Field(default=8, ge=0)    # prompt-lookup chain grafted onto each tree, at most this long (0: off)
     lookup_ngram: int = Field(default=3, ge=1)     # longest context suffix matched for the lookup
     lookup_min_ngram: int = Field(default=2, ge=1)  # shortest suffix matched (shorter matches copy too eagerly)
 

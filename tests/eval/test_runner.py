@@ -29,7 +29,7 @@ QUESTIONS = {
               BenchmarkQuestion(7, "gsm8k", ["A train goes 60 km in 1.5 hours. Speed?"], "gsm8k")],
 }
 FACTORY = partial(peaky_tiny_target, 0)
-BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "eval.max_new_tokens=10", "eval.num_actors=0",
+BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "tree.lookup_tokens=0", "eval.max_new_tokens=10", "eval.num_actors=0",
         "eval.benchmarks=[mt_bench, gsm8k]", "eval.temperatures=[0, 1]", "eval.drafters={math: 'random:0', chat: 'random:1'}"]
 
 

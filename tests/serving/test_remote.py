@@ -20,7 +20,7 @@ from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
-TREE = TreeConfig(depth=3, top_k=4, total_tokens=12)
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
 NEW = 40
 
 

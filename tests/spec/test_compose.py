@@ -18,7 +18,7 @@ from taps_ray.spec.tree import DrafterState, draft_tree
 from tests.conftest import make_tiny_target
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
-TREE = TreeConfig(depth=3, top_k=4, total_tokens=12)
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
 ALL = ["single", "averaged", "routed:confidence", "routed:confidence:request", "routed:entropy",
        "routed:entropy:step", "merged:union", "merged:budget"]
 

@@ -26,8 +26,8 @@ from taps_ray.spec.stats import (
 from taps_ray.spec.tree import DraftTree
 from tests.spec.spec_helpers import OracleStrategy, random_prompt
 
-TREES = [TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=0, top_k=1, total_tokens=2),
-         TreeConfig(depth=2, top_k=6, total_tokens=40)]
+TREES = [TreeConfig(depth=3, top_k=4, total_tokens=16, lookup_tokens=0), TreeConfig(depth=0, top_k=1, total_tokens=2, lookup_tokens=0),
+         TreeConfig(depth=2, top_k=6, total_tokens=40, lookup_tokens=0)]
 
 
 def reference(target, prompt, max_new_tokens=40, **kwargs):

@@ -57,11 +57,13 @@ def test_graft_from_the_root_and_when_nothing_is_new():
     assert graft_chain(tree, t()) is tree
 
 
-def test_graft_lookup_is_off_by_default_and_stands_alone_without_a_tree():
+def test_graft_lookup_turns_off_at_zero_and_stands_alone_without_a_tree():
     tree = _tree()
     context = t(7, 8, 9, 4, 7, 8)
-    assert graft_lookup(tree, context, TreeConfig()) is tree
-    assert graft_lookup(None, context, TreeConfig()) is None
+    assert TreeConfig().lookup_tokens > 0, "the CPU default grafts lookup chains"
+    off = TreeConfig(lookup_tokens=0)
+    assert graft_lookup(tree, context, off) is tree
+    assert graft_lookup(None, context, off) is None
     assert graft_lookup(None, t(1, 2, 3, 4), TreeConfig(lookup_tokens=4)) is None
     alone = graft_lookup(None, context, TreeConfig(lookup_tokens=2))
     assert alone.tokens.tolist() == [8, 9, 4] and alone.parent.tolist() == [-1, 0, 1]
@@ -79,7 +81,7 @@ def test_lookup_keeps_greedy_output_and_pays_where_the_text_repeats(cycling_targ
     prompt = random_prompt(cycling_target, 12, seed=2)
     plain = generate(cycling_target, prompt, None, None, 80)
     drafter = DraftHead(cycling_target.config, seed=1).eval()
-    base = generate(cycling_target, prompt, SingleStrategy(drafter, TreeConfig()), None, 80)
+    base = generate(cycling_target, prompt, SingleStrategy(drafter, TreeConfig(lookup_tokens=0)), None, 80)
     looked = generate(cycling_target, prompt, SingleStrategy(drafter, TreeConfig(lookup_tokens=6)), None, 80)
     assert base.token_ids == plain.token_ids and looked.token_ids == plain.token_ids
     assert len(set(plain.token_ids[-40:])) < 40, "the bigram target should repeat itself"

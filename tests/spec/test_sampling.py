@@ -114,7 +114,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def fresh_drafter_strategy():
-    return SingleStrategy(DraftHead(TARGET.config, seed=4), TreeConfig(depth=2, top_k=3, total_tokens=8))
+    return SingleStrategy(DraftHead(TARGET.config, seed=4), TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0))
 
 
 LOOKUP_TREE = TreeConfig(depth=1, top_k=2, total_tokens=4, lookup_tokens=3, lookup_ngram=2, lookup_min_ngram=1)
