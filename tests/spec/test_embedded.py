@@ -120,7 +120,7 @@ def test_cli_generate_json_vanilla_and_single_agree(tmp_path, capsys):
     assert main([*args, "--strategy", "single"]) == 0
     captured = capsys.readouterr()
     single = json.loads(captured.out)
-    assert "freshly initialised" in captured.err
+    assert "no --drafter given: using release:math" in captured.err
     for payload, strategy in [(vanilla, "vanilla"), (single, "single")]:
         assert {"text", "token_ids", "steps", "tau", "accept_lengths", "tokens_per_s", "strategy"} <= set(payload)
         assert payload["strategy"] == strategy and 1 <= len(payload["token_ids"]) <= 12
