@@ -39,7 +39,7 @@ from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.tree import DrafterState, build_tree, draft_tree
 from taps_ray.spec.verify import compact_target, run_tree, verify_greedy
-from tests.spec.spec_helpers import OracleStrategy, random_prompt, sharp_drafter
+from tests.spec.spec_helpers import OracleStrategy, make_peaky, random_prompt, sharp_drafter
 
 WINDOW = 8
 VOCAB = 256
@@ -89,22 +89,6 @@ def family_target(family: str, seed: int = 0) -> TargetModel:
     return TargetModel(family_model(family, seed), tokenizer=None, name=f"tiny-{family}")
 
 
-def peaky(target: TargetModel, seed: int = 0, scale: float = 4.0) -> TargetModel:
-    """Layers scaled up and an untied random LM head (EOS row 0), so greedy text stays varied (as
-    :func:`tests.spec.spec_helpers.peaky_tiny_target` does for Llama)."""
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in target.model.model.layers.parameters():
-            if param.dim() == 2:
-                param.mul_(8.0)
-        head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=g) * scale / HIDDEN**0.5)
-        head.weight[sorted(target.eos_token_ids)] = 0.0
-    target.model.lm_head = head
-    target.lm_head = head
-    return target
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request) -> str:
     return request.param
@@ -112,7 +96,7 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def peaky_target(family) -> TargetModel:
-    return peaky(family_target(family))
+    return make_peaky(family_target(family))
 
 
 def test_attention_and_windows(family):

@@ -21,7 +21,13 @@ def peaky_tiny_target(seed: int = 0, vocab_size: int = 256, hidden_size: int = 6
     the context to matter, so next-token distributions are peaked and greedy text does not collapse
     into one repeated token (as it does with the default init and tied embeddings). The EOS row of the
     head is zero (logit 0), so EOS is rare under greedy decoding; tests choose their own stop tokens."""
-    target = make_tiny_target(seed, vocab_size=vocab_size, hidden_size=hidden_size)
+    return make_peaky(make_tiny_target(seed, vocab_size=vocab_size, hidden_size=hidden_size), seed, scale)
+
+
+def make_peaky(target: TargetModel, seed: int = 0, scale: float = 4.0) -> TargetModel:
+    """``target`` (any family) with its layers' matrices scaled by 8 and an untied random LM head of
+    logit scale ~``scale`` whose EOS rows are zero; returns the same object."""
+    hidden_size, vocab_size = target.hidden_size, target.vocab_size
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in target.model.model.layers.parameters():
