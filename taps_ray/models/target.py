@@ -112,6 +112,15 @@ def dtype_reason(device: torch.device, dtype: torch.dtype, requested: str) -> st
     return f"{name} (auto: this CPU has no native bf16; target.dtype=bfloat16 to force it)"
 
 
+def embed_hash(weight: torch.Tensor) -> str:
+    """sha256 of 64 rows of the embedding ``weight`` [V, H] rounded to bfloat16: the same for fp32 and bf16 loads
+    of one checkpoint (the fingerprint's ``embed_hash``)."""
+    weight = weight.detach()
+    rows = torch.linspace(0, weight.shape[0] - 1, steps=min(64, weight.shape[0])).long().to(weight.device)
+    sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
+    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
 def _embedded_hf_folder(name: str) -> Path:
     """Dequantize the embedded GGUF once into a plain HF folder in the cache; return the folder."""
     gguf_path = artifacts.fetch(name)
@@ -267,11 +276,7 @@ class TargetModel:
         return target
 
     def _embed_hash(self) -> str:
-        """sha256 of 64 embedding rows rounded to bfloat16: the same for fp32 and bf16 loads of one checkpoint."""
-        weight = self.embed_tokens.weight.detach()
-        rows = torch.linspace(0, weight.shape[0] - 1, steps=min(64, weight.shape[0])).long().to(weight.device)
-        sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
-        return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+        return embed_hash(self.embed_tokens.weight)
 
     @torch.inference_mode()
     def _check_head(self) -> None:

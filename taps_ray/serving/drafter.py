@@ -23,6 +23,7 @@ from ray.serve.request_router import RequestRouter
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
+from taps_ray.models.target_head import load_target_head
 from taps_ray.spec.decoder import load_drafter
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
 
@@ -47,7 +48,8 @@ class _Session:
 class DraftSessions:
     """Per-request :class:`DrafterState` keyed by request id; thread-safe, no Ray.
 
-    ``target`` supplies the embeddings, LM head and device (a :func:`drafting_view` is enough).
+    ``target`` supplies the embeddings, LM head and device (a :class:`~taps_ray.models.target_head.TargetHead`
+    is enough).
     A session keeps the drafter it started with, so :meth:`swap` never disturbs running requests.
     """
 
@@ -136,14 +138,6 @@ class DraftSessions:
             self.reap(now)
 
 
-def drafting_view(target: TargetModel) -> TargetModel:
-    """``target`` without its decoder layers: drafting needs only the embeddings and the LM head."""
-    import torch.nn as nn
-
-    target.model.model.layers = nn.ModuleList()
-    return target
-
-
 def build_drafter(target: TargetModel, spec: dict, name: str = "drafter") -> DraftHead:
     """The drafter a ``user_config`` describes: ``checkpoint`` (None: fresh from ``seed``) or
     ``average`` (two such specs) with ``alpha``."""
@@ -169,7 +163,7 @@ class Drafter:
     def __init__(self, name: str, target: dict, tree: dict, ttl_s: float = 300.0, threads: int | None = 1):
         self.threads = threads
         self.name = name
-        self.target = drafting_view(TargetModel.load(TargetConfig(**target)))
+        self.target = load_target_head(TargetConfig(**target))  # drafting needs only the embedding and LM head
         self.tree = TreeConfig(**tree)
         self.ttl_s = ttl_s
         self.sessions: DraftSessions | None = None

@@ -376,10 +376,12 @@ def _trainer_class():
 
 
 def _load_target(cfg: ExperimentConfig):
-    from taps_ray.models.target import TargetLoadError, TargetModel
+    """The target's embedding and LM head on the CPU (all the driver and the workers use of it)."""
+    from taps_ray.models.target import TargetLoadError
+    from taps_ray.models.target_head import load_target_head
 
     try:
-        return TargetModel.load(cfg.target.model_copy(update={"device": "cpu"}))
+        return load_target_head(cfg.target.model_copy(update={"device": "cpu"}))
     except TargetLoadError as err:
         raise TrainLaunchError(str(err)) from None
 
@@ -388,8 +390,9 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
                  target=None) -> TrainSummary:
     """Train the selected variants of ``cfg`` concurrently (see module docstring).
 
-    ``target``: an already loaded :class:`TargetModel` (default: load ``cfg.target`` on the CPU; only
-    its embedding, LM head, config and fingerprint are used). Raises :class:`TrainLaunchError` for
+    ``target``: an already loaded :class:`TargetModel` or :class:`TargetHead` (default: the head of
+    ``cfg.target`` on the CPU, :func:`load_target_head`; only its embedding, LM head, config and fingerprint
+    are used). Raises :class:`TrainLaunchError` for
     input problems before anything is trained; a variant whose training fails is reported in the
     summary (``status`` failed) after the others finish.
     """
