@@ -337,14 +337,21 @@ class ServeConfig(Strict):
     ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder or ``release:NAME``
     (default: :func:`default_serve_drafters`). ``strategy`` and ``default_drafters`` (None: every
     non-averaged drafter, in order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
-    answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget (and how
-    long an idle drafting session is kept). ``max_concurrent_requests`` per verifier replica.
+    answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget, counted
+    from its arrival (queueing included; also how long an idle drafting session is kept).
     ``route_probe_steps`` / ``route_recheck_every``: request-granularity routing probes with every
     drafter for that many steps, then re-probes every that many steps (0: decides once per request).
     ``model_name``: the served model id (None: the target's name).
 
+    Load shedding: ``max_concurrent_requests`` requests decode at once per verifier replica (Serve's
+    ``max_ongoing_requests`` of the Verifier); up to ``max_queued_requests`` more wait for a slot, per
+    ingress replica (Serve's ``max_queued_requests``: it counts the queue at each caller); beyond that a
+    request is answered at once with a 429 and ``Retry-After: retry_after_s`` (rounded up to seconds).
+    The defaults (8 decoding, 8 waiting) suit a 2-core CPU with the embedded target; on a GPU raise
+    ``max_concurrent_requests`` to what fits its memory.
+
     Access and request limits (checked by the ingress before any decoding work):
-    ``api_keys``: Bearer keys accepted on every route but ``/health`` (also ``--api-key`` and the
+    ``api_keys``: Bearer keys accepted on every route but ``/health`` and ``/ready`` (also ``--api-key`` and the
     comma-separated ``TAPS_API_KEY`` env; none: the endpoint is open); never dumped with the config.
     ``docs``: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
     ``allowed_hosts``: accepted ``Host`` header names (``*.example.com`` wildcards; empty: any).
@@ -369,6 +376,8 @@ class ServeConfig(Strict):
     route_probe_steps: int = Field(default=2, ge=1)
     route_recheck_every: int = Field(default=0, ge=0)
     max_concurrent_requests: int = Field(default=8, ge=1)
+    max_queued_requests: int = Field(default=8, ge=1)
+    retry_after_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     verifier_replicas: int = Field(default=1, ge=1)
     verifier_num_cpus: float = Field(default=1.0, ge=0)
     verifier_num_gpus: float = Field(default=0.0, ge=0)
