@@ -523,32 +523,36 @@ class ExperimentConfig(Strict):
         return Path(self.output_dir) / self.name
 
 
-def _format_errors(err: ValidationError, raw: dict) -> str:
+def format_validation_error(err: ValidationError, model: type[BaseModel], title: str) -> str:
+    """One line per problem of ``err`` (raised validating ``model``), under ``title``: the dotted key,
+    the message and the value given; an unknown key lists the keys allowed there. Used for experiment
+    configs and sweep specs alike."""
     lines = []
     for item in err.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "<root>"
+        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        key = ".".join(str(p) for p in loc)
+        msg = item["msg"].removeprefix("Value error, ")
+        got = item.get("input")
         if item["type"] == "extra_forbidden":
-            parent = item["loc"][:-1]
-            lines.append(f"{key}: unknown key (value {item.get('input')!r}); allowed keys: {_allowed(parent)}")
+            lines.append(f"{key}: unknown key; allowed keys: {_allowed(model, loc[:-1])} (got {got!r})")
+        elif item["type"] == "missing":
+            lines.append(f"{key}: required key is missing")
+        elif not key:
+            lines.append(msg)
         else:
-            msg = item["msg"].removeprefix("Value error, ")
-            got = item.get("input")
             lines.append(f"{key}: {msg}" if isinstance(got, dict | list) else f"{key}: {msg} (got {got!r})")
-    if len(lines) == 1:
-        return f"invalid config: {lines[0]}"
-    return "invalid config:\n  " + "\n  ".join(lines)
+    body = f" {lines[0]}" if len(lines) == 1 else "\n  " + "\n  ".join(lines)
+    return f"{title}:{body}"
 
 
-def _allowed(loc: tuple) -> str:
-    model: Any = ExperimentConfig
+def _allowed(model: Any, loc: tuple) -> str:
+    """The keys of the model at ``loc`` below ``model`` (parts that are not fields, such as the names
+    of a dict's entries, are passed over)."""
     for part in loc:
-        if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
-            annotation = model.model_fields[part].annotation
-            model = _inner_model(annotation)
-        elif model is not None and isinstance(model, type) and issubclass(model, BaseModel):
-            continue
-        else:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return "?"
+        if part in model.model_fields:
+            model = _inner_model(model.model_fields[part].annotation)
     if isinstance(model, type) and issubclass(model, BaseModel):
         return ", ".join(model.model_fields)
     return "?"
@@ -581,21 +585,27 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def load_yaml(path: str | Path, what: str = "config file", error: type[Exception] = ConfigError) -> Any:
+    """The YAML document of ``path`` (``{}`` when empty); ``error`` naming the file when it is missing or
+    not valid YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {str(path)!r} does not exist")
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise error(f"{path}: not valid YAML: {err}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Load an :class:`ExperimentConfig` from YAML (or defaults when ``path`` is None)."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        raw = load_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     apply_overrides(raw, overrides or [])
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, raw)) from None
+        raise ConfigError(format_validation_error(err, ExperimentConfig, "invalid config")) from None

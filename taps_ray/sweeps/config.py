@@ -16,10 +16,18 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from taps_ray.config import ConfigError, ObjectiveConfig, Strict, TrainConfig, TreeConfig, apply_overrides
+from taps_ray.config import (
+    ConfigError,
+    ObjectiveConfig,
+    Strict,
+    TrainConfig,
+    TreeConfig,
+    apply_overrides,
+    format_validation_error,
+    load_yaml,
+)
 from taps_ray.data.benchmarks import BENCHMARKS
 
 RATIO_KEYS = ("ratio", "total", "algorithm")
@@ -389,44 +397,6 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _allowed(model: Any, loc: tuple) -> str:
-    for part in loc:
-        if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
-            model = _inner_model(model.model_fields[part].annotation)
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return ", ".join(model.model_fields)
-    return "?"
-
-
-def _inner_model(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", None) or ():
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _format(err: ValidationError, model: type[BaseModel], where: str) -> str:
-    lines = []
-    for item in err.errors():
-        loc = tuple(p for p in item["loc"] if p not in ("function-after[_list_is_grid(), Dimension]",))
-        key = ".".join(str(p) for p in loc)
-        msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key; allowed keys: {_allowed(model, loc[:-1])}")
-        elif item["type"] == "missing":
-            lines.append(f"{key}: required key is missing")
-        elif not key:
-            lines.append(msg)
-        else:
-            got = item.get("input")
-            lines.append(f"{key}: {msg}" if isinstance(got, dict | list) else f"{key}: {msg} (got {got!r})")
-    body = lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
-    return f"invalid sweep spec{' ' + where if where else ''}: {body}"
-
-
 def parse_spec(raw: dict, where: str = "", preset: str | None = None,
                overrides: list[str] | None = None) -> MixtureSweepSpec | InterpolationSweepSpec:
     """Validate a raw spec dict after merging ``preset`` and applying dotted ``overrides``."""
@@ -450,17 +420,10 @@ def parse_spec(raw: dict, where: str = "", preset: str | None = None,
     try:
         return model.model_validate(raw)
     except ValidationError as err:
-        raise SweepSpecError(_format(err, model, where)) from None
+        raise SweepSpecError(format_validation_error(err, model, prefix)) from None
 
 
 def load_spec(path: str | Path, preset: str | None = None,
               overrides: list[str] | None = None) -> MixtureSweepSpec | InterpolationSweepSpec:
     """Load a sweep spec from YAML (see module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SweepSpecError(f"sweep spec {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SweepSpecError(f"{path}: not valid YAML: {err}") from None
-    return parse_spec(raw, str(path), preset, overrides)
+    return parse_spec(load_yaml(path, "sweep spec", SweepSpecError), str(path), preset, overrides)
