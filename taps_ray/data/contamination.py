@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
+
+from taps_ray.runstate import write_json
 
 TRAINED_PROMPTS = "trained_prompts.json"
 FEATURE_PROMPTS = "prompts.json"
@@ -71,12 +72,6 @@ def in_gsm8k_training_pool(question: str) -> bool:
     return int(digest[:8], 16) % 100 < GSM8K_TRAIN_POOL_PERCENT
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=0))
-    os.replace(tmp, path)
-
-
 def _read_hashes(path: Path) -> list[str]:
     try:
         payload = json.loads(path.read_text())
@@ -91,8 +86,8 @@ def _read_hashes(path: Path) -> list[str]:
 def write_feature_prompts(folder: str | Path, hashes: list[str], superset: bool = False) -> Path:
     """Write a feature set's ``prompts.json`` (``hashes[i]`` belongs to row ``i``)."""
     path = Path(folder) / FEATURE_PROMPTS
-    _write_json(path, {"normalization": NORMALIZATION, "superset": superset, "count": len(hashes),
-                       "sha256": list(hashes)})
+    write_json(path, {"normalization": NORMALIZATION, "superset": superset, "count": len(hashes),
+                       "sha256": list(hashes)}, indent=0)
     return path
 
 
@@ -111,7 +106,7 @@ def trained_prompts_record(hashes: Iterable[str], sources: Iterable[str]) -> dic
 def write_trained_prompts(drafter_dir: str | Path, record: dict) -> Path:
     """Write ``record`` (from :func:`trained_prompts_record`) as the drafter's ``trained_prompts.json``."""
     path = Path(drafter_dir) / TRAINED_PROMPTS
-    _write_json(path, record)
+    write_json(path, record, indent=0)
     return path
 
 

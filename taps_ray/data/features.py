@@ -33,6 +33,7 @@ from taps_ray.data.contamination import (
     write_feature_prompts,
 )
 from taps_ray.ray_utils import quiet_ray_data
+from taps_ray.runstate import folder_lock, write_json
 
 log = logging.getLogger(__name__)
 
@@ -372,11 +373,18 @@ def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, labe
 
 
 def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
-    """Compute (or reuse) the feature set of dataset ``name``; returns what was done."""
-    from taps_ray.data.sources import load_dataset_alternatives
-
+    """Compute (or reuse) the feature set of dataset ``name``; returns what was done. One process at a
+    time prepares a feature set (a lock file ``.<folder>.lock`` beside it names the holder)."""
     fingerprint = target.fingerprint.to_dict()
     final = feature_set_path(cfg, name, fingerprint)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with folder_lock(final.parent, f"taps prepare ({name})", name=f".{final.name}.lock"):
+        return _prepare_dataset(cfg, name, target, final, fingerprint)
+
+
+def _prepare_dataset(cfg: ExperimentConfig, name: str, target, final: Path, fingerprint: dict) -> PrepareResult:
+    from taps_ray.data.sources import load_dataset_alternatives
+
     if (final / MANIFEST).exists():
         fs = open_feature_set(final, fingerprint, name)
         m = fs.manifest
@@ -425,9 +433,7 @@ def prepare_dataset(cfg: ExperimentConfig, name: str, target) -> PrepareResult:
     write_feature_prompts(partial, hashes)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
-    tmp = final / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, final / MANIFEST)
+    write_json(final / MANIFEST, manifest)
     return PrepareResult(name, str(final), False, source.origin, len(rows), tokens, manifest["loss_tokens"],
                          manifest["megabytes"], round(seconds, 2), skipped, regenerated, truncated)
 

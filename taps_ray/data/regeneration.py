@@ -8,7 +8,8 @@ see :func:`taps_ray.data.sources.seeded_subset`), decodes only the prompts the s
 A store is one JSON-lines file ``$TAPS_CACHE/regenerations/<key>.jsonl``; each line is
 ``{"prompt": <sha256 of the prompt turns>, "response": <text>}``. The key covers what decides the
 response: the target fingerprint, the dtype it decodes in, and the regeneration settings except
-``batch_size`` (a throughput knob). A torn last line (a killed writer) is ignored on read.
+``batch_size`` (a throughput knob). A torn last line (a killed writer) is ignored on read and cut
+off before the next append (:mod:`taps_ray.runstate`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from taps_ray import artifacts
 from taps_ray.config import RegenerationConfig
+from taps_ray.runstate import append_jsonl, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +55,8 @@ class ResponseStore:
     def __init__(self, path: Path):
         self.path = path
         self.responses: dict[str, str] = {}
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                    self.responses[entry["prompt"]] = entry["response"]
-                except (ValueError, KeyError, TypeError):
-                    log.info("%s: skipped an unreadable line (an interrupted write)", path)
+        for entry in read_jsonl(path, skip_damaged=True):
+            self.responses[entry["prompt"]] = entry["response"]
 
     @classmethod
     def open(cls, fingerprint: dict, dtype: str, regeneration: RegenerationConfig) -> ResponseStore:
@@ -78,15 +75,5 @@ class ResponseStore:
         """Record ``(prompt key, response)`` pairs; written and flushed before returning."""
         if not entries:
             return
-        with self.path.open("a", encoding="utf-8") as fh:
-            if fh.tell() and not self._ends_with_newline():
-                fh.write("\n")
-            for key, response in entries:
-                fh.write(json.dumps({"prompt": key, "response": response}, ensure_ascii=False) + "\n")
-                self.responses[key] = response
-            fh.flush()
-
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as fh:
-            fh.seek(-1, 2)
-            return fh.read(1) == b"\n"
+        append_jsonl(self.path, [{"prompt": key, "response": response} for key, response in entries])
+        self.responses.update(entries)

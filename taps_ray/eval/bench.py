@@ -29,6 +29,7 @@ from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.eval.exactness import ExactnessReport, account
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
+from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
@@ -348,7 +349,5 @@ def write_report(report: BenchReport, out_dir: str | Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "bench.json", out / "bench.md"
     for path, text in ((json_path, json.dumps(report.to_dict(), indent=1, default=str)), (md_path, report.to_markdown())):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)
     return json_path, md_path

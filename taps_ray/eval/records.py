@@ -6,8 +6,9 @@ Light on purpose (no torch): the report reads records without loading the runner
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from taps_ray.runstate import read_jsonl
 
 RECORDS = "records.jsonl"
 RUN_FILE = "run.json"
@@ -19,18 +20,16 @@ def record_key(record: dict) -> tuple:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """Records of ``path`` (``records.jsonl`` or its folder), first of each key; unreadable lines (an
-    interrupted write) are skipped."""
+    """Records of ``path`` (``records.jsonl`` or its folder), first of each key; a torn last line (an
+    interrupted write) is skipped with a warning (:func:`taps_ray.runstate.read_jsonl`), as are
+    lines that are not records."""
     path = Path(path)
     path = path / RECORDS if path.is_dir() else path
-    if not path.is_file():
-        return []
     seen, out = set(), []
-    for line in path.read_text().splitlines():
+    for record in read_jsonl(path):
         try:
-            record = json.loads(line)
             key = record_key(record)
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             continue
         if key not in seen:
             seen.add(key)

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from taps_ray.eval.records import RECORDS, RUN_FILE, read_records
+from taps_ray.runstate import atomic_write, write_json
 from taps_ray.spec import stats
 
 MATH_BENCHMARKS = ("gsm8k", "math_500", "svamp")
@@ -641,11 +642,11 @@ def write_report(out: str | Path, sweeps: list[str | Path] | None = None) -> Pat
     plots = _plots(out / "plots", tables, data)
     summary = {"run": run, "records": len(records), "temperatures": data.temperatures, "benchmarks": data.benchmarks,
                "strategies": data.strategies, **tables, "plots": plots}
-    (out / "summary.json").write_text(json.dumps(_clean(summary), indent=1))
+    write_json(out / "summary.json", _clean(summary))
     if sweeps is not None:
-        (out / SWEEPS_FILE).write_text(json.dumps([str(Path(p).resolve()) for p in sweeps], indent=1))
+        write_json(out / SWEEPS_FILE, [str(Path(p).resolve()) for p in sweeps])
     remembered = json.loads((out / SWEEPS_FILE).read_text()) if (out / SWEEPS_FILE).is_file() else []
     path = out / "report.md"
     markdown = render_markdown(tables, data, run, plots)
-    path.write_text("\n".join([markdown, *exactness_section(out), *sweep_sections(out, remembered)]))
+    atomic_write(path, "\n".join([markdown, *exactness_section(out), *sweep_sections(out, remembered)]))
     return path

@@ -46,6 +46,14 @@ from taps_ray.eval.report import write_report
 from taps_ray.models.drafter import WEIGHTS_NAME, DraftHead
 from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetModel
+from taps_ray.runstate import (
+    append_jsonl,
+    changed_settings,
+    describe_changes,
+    folder_lock,
+    repair_jsonl,
+    write_json,
+)
 from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
@@ -210,24 +218,16 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
 # -- one question ---------------------------------------------------------------------------------
 
 def conversation_ids(target: TargetModel, turns: list[str], answers: list[GenerationResult]) -> torch.Tensor:
-    """Prompt ids [T] for the next turn: the user ``turns`` so far with the earlier ``answers`` between them.
-
-    With a tokenizer this is the chat template over the texts; a tokenizer-less (test) target gets
-    byte ids per user turn (``2 + byte % (V - 2)`` after a marker) and the answers' token ids.
-    """
-    if target.tokenizer is not None:
-        messages = []
-        for i, text in enumerate(turns):
-            messages.append({"role": "user", "content": text})
-            if i < len(answers):
-                messages.append({"role": "assistant", "content": answers[i].text or ""})
-        return target.encode_chat(messages)[0]
-    ids: list[int] = []
+    """Prompt ids [T] for the next turn: the chat template over the user ``turns`` so far with the
+    earlier ``answers``' texts between them. EvalError for a target without a tokenizer."""
+    if target.tokenizer is None:
+        raise EvalError(f"target {target.name!r} has no tokenizer: evaluation asks benchmark questions as text")
+    messages = []
     for i, text in enumerate(turns):
-        ids += [2] + [2 + b % (target.vocab_size - 2) for b in text.encode()[:48]]
+        messages.append({"role": "user", "content": text})
         if i < len(answers):
-            ids += answers[i].token_ids
-    return torch.tensor(ids, dtype=torch.long, device=target.device)
+            messages.append({"role": "assistant", "content": answers[i].text or ""})
+    return target.encode_chat(messages)[0]
 
 
 def sampling_seed(question: BenchmarkQuestion, turn: int, base: int) -> int:
@@ -356,35 +356,18 @@ class EvalWorker:
 
 # -- the run folder -------------------------------------------------------------------------------
 
-def _rewrite(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} in the folder, {b!r} now")
-    return out
-
-
 def open_run(out: Path, plan: EvalPlan) -> list[dict]:
     """Check ``out`` against ``plan`` (EvalError naming the differing settings), write ``run.json`` and
-    return the finished records (a torn last line is dropped from the file)."""
+    return the finished records (a torn last line is cut off the file)."""
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / RUN_FILE
     identity = plan.identity()
     previous = {}
     if run_file.is_file():
         previous = json.loads(run_file.read_text())
-        diff = _differences(previous.get("identity", {}), identity)
+        diff = changed_settings(previous.get("identity", {}), identity)
         if diff:
-            raise EvalError(f"{out} holds an evaluation run with other settings ({'; '.join(diff)}); "
+            raise EvalError(f"{out} holds an evaluation run with other settings ({describe_changes(diff, 20)}); "
                             "use another --out or delete that folder")
     elif (out / RECORDS).is_file():
         raise EvalError(f"{out} has {RECORDS} but no {RUN_FILE}: not a folder of this run; use another --out")
@@ -401,12 +384,9 @@ def open_run(out: Path, plan: EvalPlan) -> list[dict]:
         "drafters": {**previous.get("drafters", {}), **plan.drafters},
         "created": previous.get("created", time.strftime("%Y-%m-%dT%H:%M:%S")),
     }
-    run_file.write_text(json.dumps(meta, indent=1))
-    path = out / RECORDS
-    records = read_records(path)
-    if path.is_file() and len(path.read_text().splitlines()) != len(records):
-        _rewrite(path, records)
-    return records
+    write_json(run_file, meta)
+    repair_jsonl(out / RECORDS)
+    return read_records(out / RECORDS)
 
 
 def plan_units(plan: EvalPlan, questions: dict[str, list[BenchmarkQuestion]], done: set[tuple]) -> list[Unit]:
@@ -424,12 +404,6 @@ def plan_units(plan: EvalPlan, questions: dict[str, list[BenchmarkQuestion]], do
                 if todo:
                     units.append(Unit(question, temperature, todo))
     return units
-
-
-def _append(handle, records: list[dict]) -> None:
-    handle.write("".join(json.dumps(r) + "\n" for r in records))
-    handle.flush()
-    os.fsync(handle.fileno())
 
 
 def _run_local(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], None], target_factory) -> None:
@@ -526,9 +500,7 @@ def _record_selection(out: Path, selection: QuestionSelection) -> None:
     run_file = out / RUN_FILE
     meta = json.loads(run_file.read_text()) if run_file.is_file() else {}
     meta.update(questions=selection.info, question_notes=selection.notes)
-    tmp = run_file.with_name(run_file.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, run_file)
+    write_json(run_file, meta)
 
 
 def run_eval(
@@ -546,6 +518,17 @@ def run_eval(
     """
     plan = make_plan(cfg)
     out = Path(out or cfg.eval.out or cfg.run_dir / "eval")
+    with folder_lock(out, "taps eval"):
+        _run_in(out, plan, questions, target_factory)
+        write_exactness(out, plan, target_factory)
+        if report:
+            write_report(out)
+    return out
+
+
+def _run_in(out: Path, plan: EvalPlan, questions: dict[str, list[BenchmarkQuestion]] | None,
+            target_factory: Callable[[], TargetModel] | None) -> None:
+    """The units of ``plan`` not yet recorded in ``out``, run and appended to its records."""
     done_records = open_run(out, plan)
     selection = select_questions(plan, questions)
     _record_selection(out, selection)
@@ -558,25 +541,21 @@ def run_eval(
     log.info("eval: %d strategies x %d temperatures on %s; %d records done, %d to run in %d units",
              len(plan.strategies), len(plan.temperatures), {b: len(q) for b, q in questions.items()},
              len(done_records), total, len(units))
-    if units:
-        start, finished = time.perf_counter(), 0
-        with open(out / RECORDS, "a") as handle:
+    if not units:
+        return
+    start, finished = time.perf_counter(), 0
 
-            def emit(records: list[dict]) -> None:
-                nonlocal finished
-                _append(handle, records)
-                finished += len(records)
-                first = records[0]
-                taus = ", ".join(f"{r['strategy']} {r['tau']:.2f}" for r in records if r["tau"] is not None)
-                log.info("[%d/%d %.0fs] %s q%s T=%g: %s", finished, total, time.perf_counter() - start,
-                         first["benchmark"], first["question_id"], first["temperature"], taus)
+    def emit(records: list[dict]) -> None:
+        nonlocal finished
+        append_jsonl(out / RECORDS, records)
+        finished += len(records)
+        first = records[0]
+        taus = ", ".join(f"{r['strategy']} {r['tau']:.2f}" for r in records if r["tau"] is not None)
+        log.info("[%d/%d %.0fs] %s q%s T=%g: %s", finished, total, time.perf_counter() - start,
+                 first["benchmark"], first["question_id"], first["temperature"], taus)
 
-            runner = _run_local if plan.num_actors == 0 else _run_ray
-            runner(plan, units, emit, target_factory)
-    write_exactness(out, plan, target_factory)
-    if report:
-        write_report(out)
-    return out
+    runner = _run_local if plan.num_actors == 0 else _run_ray
+    runner(plan, units, emit, target_factory)
 
 
 def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], TargetModel] | None = None) -> None:
@@ -590,7 +569,7 @@ def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], Targ
     if target.dtype != torch.float32:
         reference = TargetModel.load(TargetConfig(**{**plan.target, "dtype": "float32"}))
     report = account_records(target, reference, records)
-    (out / EXACTNESS_FILE).write_text(json.dumps(report.to_dict(), indent=1))
+    write_json(out / EXACTNESS_FILE, report.to_dict())
     same = sum(report.identical.values())
     total = report.prompts * len(report.identical)
     verdict = "every divergence a tie within rounding" if report.all_ties else "DIVERGENCES THAT ARE NOT TIES"

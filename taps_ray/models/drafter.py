@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,19 @@ from taps_ray.models.target import TargetFingerprint
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "TapsDraftHead"
+
+
+class DrafterSaveError(ValueError):
+    """A drafter cannot be saved where asked (the folder holds something else)."""
+
+
+def is_drafter_checkpoint(folder: str | Path) -> bool:
+    """True when ``folder`` holds a checkpoint written by :meth:`DraftHead.save` (its ``config.json``
+    names :data:`ARCHITECTURE`)."""
+    try:
+        return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("architecture") == ARCHITECTURE
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class DrafterLoadError(RuntimeError):
@@ -192,11 +206,26 @@ class DraftHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
     def save(self, directory: str | Path, fingerprint: TargetFingerprint, extra: dict | None = None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` atomically (via a ``.partial`` folder)."""
+        """Write ``config.json`` + ``model.safetensors`` atomically (via a uniquely named partial folder
+        beside it). An existing ``directory`` is replaced only when it is empty or a drafter checkpoint
+        (:func:`is_drafter_checkpoint`); anything else raises :class:`DrafterSaveError`, untouched."""
         directory = Path(directory)
-        partial = directory.with_name(directory.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
+        if directory.exists() and not is_drafter_checkpoint(directory) and (
+                not directory.is_dir() or any(directory.iterdir())):
+            raise DrafterSaveError(f"{directory} exists and is not a drafter checkpoint (no {CONFIG_NAME} with "
+                                   f"architecture {ARCHITECTURE!r}); refusing to replace it: choose another folder")
+        partial = directory.with_name(f".{directory.name}.partial.{os.getpid()}.{secrets.token_hex(4)}")
         partial.mkdir(parents=True)
+        try:
+            self._write(partial, fingerprint, extra)
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(partial, directory)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return directory
+
+    def _write(self, partial: Path, fingerprint: TargetFingerprint, extra: dict | None) -> None:
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state().items()}
         if self.draft_to_target is not None:
             tensors["draft_to_target"] = self.draft_to_target.cpu()
@@ -211,10 +240,6 @@ class DraftHead(nn.Module):
             **(extra or {}),
         }
         (partial / CONFIG_NAME).write_text(json.dumps(meta, indent=1, default=str))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(partial, directory)
-        return directory
 
     @classmethod
     def load(cls, directory: str | Path, target_config, fingerprint: TargetFingerprint,

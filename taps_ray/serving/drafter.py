@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from ray.serve.request_router import RequestRouter
 
+from taps_ray import faults
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
@@ -28,10 +29,6 @@ from taps_ray.spec.decoder import load_drafter
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
 
 log = logging.getLogger(__name__)
-
-
-class DrafterFault(RuntimeError):
-    """Raised by a drafter configured with ``fault: raise`` (drills and tests)."""
 
 
 @dataclass
@@ -187,8 +184,7 @@ class Drafter:
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> dict:
         if self.delay_s:
             time.sleep(self.delay_s)
-        if self.fault == "raise":
-            raise DrafterFault(f"drafter {self.name}: injected fault")
+        faults.drafter_fault(self.fault, self.name)
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         return self.sessions.propose(rid, offset, tokens, features)

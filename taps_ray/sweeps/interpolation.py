@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from taps_ray import faults
 from taps_ray.config import TreeConfig
 from taps_ray.data.contamination import write_averaged
 from taps_ray.models.drafter import DraftHead, average_drafters
@@ -22,7 +23,7 @@ from taps_ray.models.release import resolve_drafter_dir
 from taps_ray.spec.compose import check_drafters
 from taps_ray.spec.decoder import load_drafter
 from taps_ray.sweeps.config import InterpolationSweepSpec
-from taps_ray.sweeps.trial import cached_target, domain_taus, maybe_fail, record_attempt, tau_metrics
+from taps_ray.sweeps.trial import cached_target, domain_taus, record_attempt, tau_metrics
 
 RANDOM_PREFIX = "random:"
 _DRAFTERS: dict[tuple, DraftHead] = {}
@@ -60,7 +61,7 @@ def interpolation_trial(config: dict, context: InterpolationContext) -> None:
     started = time.time()
     folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
     attempt = record_attempt(folder)
-    maybe_fail(context.fail, config)
+    faults.trial_fault(context.fail, config)
     if context.threads:
         torch.set_num_threads(context.threads)
     target = cached_target(context.target)

@@ -24,10 +24,11 @@ from typing import Any
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
+from taps_ray import faults
 from taps_ray.config import ExperimentConfig, MixtureConfig, VariantConfig
 from taps_ray.data.features import FeatureSet
 from taps_ray.sweeps.config import MixtureSweepSpec, ObjectiveSpec
-from taps_ray.sweeps.trial import evaluate_checkpoint, maybe_fail, record_attempt
+from taps_ray.sweeps.trial import evaluate_checkpoint, record_attempt
 
 MIXTURE = "sweep"
 VARIANT = "drafter"
@@ -115,7 +116,7 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     started = time.time()
     folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
     attempt = record_attempt(folder)
-    maybe_fail(context.fail, config)
+    faults.trial_fault(context.fail, config)
     spec = context.spec
     cfg, variant = trial_variant(spec, context.cfg, config, context.use_gpu)
     plan = plan_variants(cfg, [variant], context.sets, context.vocab_size, context.eos_ids)[0]

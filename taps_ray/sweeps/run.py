@@ -15,7 +15,9 @@ A trial that fails is retried ``max_failures`` times, then reported as failed; t
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import logging
 import math
@@ -26,9 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from taps_ray import faults
 from taps_ray.config import ExperimentConfig, load_config
+from taps_ray.runstate import atomic_write, changed_settings, describe_changes, folder_lock, write_json
 from taps_ray.sweeps.config import InterpolationSweepSpec, MixtureSweepSpec, SweepSpec, load_spec
-from taps_ray.sweeps.trial import FAIL_ENV, count_attempts
+from taps_ray.sweeps.trial import count_attempts
 
 log = logging.getLogger(__name__)
 
@@ -175,38 +179,36 @@ def _identity(spec: SweepSpec, cfg: ExperimentConfig) -> dict:
     }, default=str))
 
 
-def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [d for key in sorted(set(old) | set(new))
-                for d in _differences(old.get(key), new.get(key), f"{prefix}{key}.")]
-    return [] if old == new else [prefix.rstrip(".")]
-
-
-def _check_out(out: Path, spec: SweepSpec, cfg: ExperimentConfig, resume: bool) -> None:
-    """SweepError when ``out`` holds a sweep and ``resume`` is off, or holds none (or one with other
-    settings) and ``resume`` is on."""
+def _check_out(out: Path, spec: SweepSpec, cfg: ExperimentConfig, resume: bool) -> bool:
+    """Whether to restore the Ray Tune state in ``out``. SweepError when ``out`` holds a sweep and
+    ``resume`` is off, or holds one with other settings and ``resume`` is on. With ``resume`` and no
+    saved Tune state (an empty folder, or a sweep killed before Tune saved anything) the sweep starts
+    over, so a retried job can always pass ``--resume``."""
     from ray.tune import Tuner
 
     state = out / STATE_FILE
     tune_dir = out / TUNE_DIR
     restorable = tune_dir.is_dir() and Tuner.can_restore(str(tune_dir))
     if resume:
-        if not restorable:
-            raise SweepError(f"nothing to resume in {out}: no saved Ray Tune state in {tune_dir}; run without --resume")
         if state.is_file():
-            changed = _differences(json.loads(state.read_text()), _identity(spec, cfg))
+            changed = changed_settings(json.loads(state.read_text()), _identity(spec, cfg))
             if changed:
-                raise SweepError(f"{out}: settings {changed[:6]} changed since the sweep started; resume with the same "
-                                 f"spec and config, or use another --out")
-    elif restorable or state.is_file():
+                raise SweepError(f"{out}: settings changed since the sweep started ({describe_changes(changed)}); "
+                                 f"resume with the same spec and config, or use another --out")
+        if not restorable:
+            print(f"taps sweep {spec.name}: nothing to resume in {out} (no saved Ray Tune state); starting the sweep",
+                  flush=True)
+        return restorable
+    if restorable or state.is_file():
         raise SweepError(f"{out} already holds sweep results; pass --resume to continue that sweep, or --out to start "
                          f"another (nothing was overwritten)")
+    return False
 
 
 def _write_state(out: Path, spec: SweepSpec, cfg: ExperimentConfig) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / STATE_FILE).write_text(json.dumps(_identity(spec, cfg), indent=1))
+        write_json(out / STATE_FILE, _identity(spec, cfg))
     except OSError as err:
         raise SweepError(f"output directory {str(out)!r} is not writable: {err.strerror or err}") from None
 
@@ -388,7 +390,7 @@ def _mixture_context(spec: MixtureSweepSpec, cfg: ExperimentConfig, out: Path, r
         weights=ray.put(weights), heldout=ray.put(heldout_tables(sets, heldout)), sim_datasets=sim,
         prompts=resolve_prompts(spec, cfg, target, sets, train.heldout_rows, train.heldout_seed),
         tree=(spec.eval.tree or cfg.tree).model_dump(), out_dir=str(out), use_gpu=resources.use_gpu,
-        threads=spec.resources.threads or max(1, int(spec.resources.cpus_per_worker)), fail=os.environ.get(FAIL_ENV))
+        threads=spec.resources.threads or max(1, int(spec.resources.cpus_per_worker)), fail=os.environ.get(faults.SWEEP_ENV))
 
 
 def _interpolation_context(spec: InterpolationSweepSpec, cfg: ExperimentConfig, out: Path,
@@ -402,7 +404,7 @@ def _interpolation_context(spec: InterpolationSweepSpec, cfg: ExperimentConfig, 
         spec=spec, target=_trial_target(cfg, resources.use_gpu), drafters=drafters,
         prompts=resolve_prompts(spec, cfg, target, sets, cfg.train.heldout_rows, cfg.train.heldout_seed),
         tree=(spec.eval.tree or cfg.tree).model_dump(), out_dir=str(out),
-        threads=spec.resources.threads or max(1, int(spec.resources.eval_cpus)), fail=os.environ.get(FAIL_ENV))
+        threads=spec.resources.threads or max(1, int(spec.resources.eval_cpus)), fail=os.environ.get(faults.SWEEP_ENV))
 
 
 def _trainable(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resources: TrialResources, target) -> Any:
@@ -453,21 +455,33 @@ def run_sweep(spec: SweepSpec, cfg: ExperimentConfig, out: str | Path | None = N
     ``target``: an already loaded :class:`TargetModel` (default: ``cfg.target`` on the CPU; the driver
     uses its tokenizer, fingerprint, embedding and LM head). ``callbacks``: extra Ray Tune callbacks (a
     resumed sweep keeps those of the run it continues: Tune restores its ``RunConfig``).
-    Raises :class:`SweepError` for input problems before any trial starts.
+    Raises :class:`SweepError` for input problems before any trial starts. One process at a time
+    writes a sweep folder (:func:`taps_ray.runstate.folder_lock`).
     """
+    started = time.time()
+    cfg = _absolute_target(cfg)
+    out = sweep_dir(spec, cfg, out)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(folder_lock(out, "taps sweep"))
+        except OSError as err:
+            raise SweepError(f"output directory {str(out)!r} is not writable: {err.strerror or err}") from None
+        return _sweep(spec, cfg, out, resume, num_samples, target, callbacks, started)
+
+
+def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_samples: int | None, target,
+           callbacks: list | None, started: float) -> SweepSummary:
+    """:func:`run_sweep` into ``out``, whose lock this process holds."""
     from ray import tune
 
     from taps_ray.ray_utils import init_ray
     from taps_ray.train.placement import remove_recorded
 
-    started = time.time()
-    cfg = _absolute_target(cfg)
-    out = sweep_dir(spec, cfg, out)
     init_ray()
     _quiet_tune()
     cluster, nodes = _cluster()
     resources = plan_resources(spec, cluster, nodes)
-    _check_out(out, spec, cfg, resume)
+    resume = _check_out(out, spec, cfg, resume)
     if target is None:
         from taps_ray.models.target import TargetLoadError, TargetModel
 
@@ -580,14 +594,13 @@ def write_outputs(summary: SweepSummary, spec: SweepSpec) -> None:
     """``results.csv``, the plot and ``best.json`` into ``summary.out``."""
     columns = _columns(summary)
     path = summary.out / RESULTS
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        for row in summary.rows:
-            writer.writerow(["" if (v := _cell(row, c)) is None else json.dumps(v) if isinstance(v, list) else v
-                             for c in columns])
-    os.replace(tmp, path)
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(columns)
+    for row in summary.rows:
+        writer.writerow(["" if (v := _cell(row, c)) is None else json.dumps(v) if isinstance(v, list) else v
+                         for c in columns])
+    atomic_write(path, table.getvalue())
     summary.files["results"] = path
     plot = plot_results(summary, spec)
     if plot is not None:
@@ -597,7 +610,7 @@ def write_outputs(summary: SweepSummary, spec: SweepSpec) -> None:
         "trial_id": best.trial_id, "config": best.config, "objective": best.objective,
         "objective_kind": summary.objective, "tau": {d: best.metrics.get(f"tau/{d}") for d in summary.domains},
         "drafter": best.metrics.get("drafter"), "mixture": best.metrics.get("mixture")}
-    (summary.out / BEST).write_text(json.dumps(payload, indent=1, default=str))
+    write_json(summary.out / BEST, payload, default=str)
     summary.files["best"] = summary.out / BEST
 
 

@@ -1,14 +1,12 @@
 """What every sweep trial shares: tau on held-out prompts with the core decoder, attempt records,
 failure injection, and a per-process cache of loaded targets.
 
-Failure injection (tests, drills): ``$TAPS_SWEEP_FAIL`` = ``KEY=VALUE[,KEY=VALUE]`` (read by the
-driver) makes every attempt of the trials whose config matches all pairs raise before any work.
+Failure injection (tests, drills): ``$TAPS_SWEEP_FAIL`` (read by the driver, :func:`taps_ray.faults.trial_fault`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,17 +17,13 @@ import torch
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
+from taps_ray.runstate import append_jsonl, read_jsonl
 from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 
-FAIL_ENV = "TAPS_SWEEP_FAIL"
 ATTEMPTS = "attempts.jsonl"
 _TARGETS: dict[str, TargetModel] = {}
-
-
-class InjectedTrialFailure(RuntimeError):
-    """Raised by the failure-injection hook."""
 
 
 @dataclass
@@ -91,27 +85,10 @@ def record_attempt(folder: Path) -> int:
     """Append this attempt of a trial to ``folder/attempts.jsonl``; return its number (1-based)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / ATTEMPTS
-    with path.open("a") as f:
-        f.write(json.dumps({"time": time.time(), "pid": os.getpid()}) + "\n")
-    return len(path.read_text().splitlines())
+    append_jsonl(path, [{"time": time.time(), "pid": os.getpid()}])
+    return len(read_jsonl(path))
 
 
 def count_attempts(folder: Path) -> int:
-    path = folder / ATTEMPTS
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+    return len(read_jsonl(folder / ATTEMPTS))
 
-
-def _matches(value, wanted: str) -> bool:
-    try:
-        return math.isclose(float(value), float(wanted))
-    except (TypeError, ValueError):
-        return str(value) == wanted
-
-
-def maybe_fail(fail: str | None, config: dict) -> None:
-    """Raise :class:`InjectedTrialFailure` when ``fail`` (``KEY=VALUE[,..]``) matches ``config``."""
-    if not fail:
-        return
-    pairs = [item.split("=", 1) for item in fail.split(",") if "=" in item]
-    if pairs and all(key in config and _matches(config[key], value) for key, value in pairs):
-        raise InjectedTrialFailure(f"injected failure for trial {config} ({FAIL_ENV}={fail})")

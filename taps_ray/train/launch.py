@@ -42,12 +42,14 @@ from typing import Literal
 
 import numpy as np
 
+from taps_ray import faults
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
 from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_sets
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.ray_utils import quiet_ray_data
-from taps_ray.train.loop import DRAFTER_DIR, FAIL_ENV, train_loop_per_worker
+from taps_ray.runstate import atomic_copy, changed_settings, describe_changes, folder_lock, write_json
+from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
 
 log = logging.getLogger(__name__)
@@ -162,18 +164,16 @@ def _prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[Varian
         record = variant_record(cfg, variant)
         record_path = out / "variant.json"
         if mode == "resume" and record_path.exists():
-            previous = json.loads(record_path.read_text())
-            if previous != json.loads(json.dumps(record)):
-                changed = sorted(k for k in record if json.dumps(previous.get(k), sort_keys=True)
-                                 != json.dumps(record[k], sort_keys=True))
-                raise TrainLaunchError(f"variant {variant.name!r}: settings {changed} changed since the run started; "
-                                       f"use --force to retrain")
+            changed = changed_settings(json.loads(record_path.read_text()), record)
+            if changed:
+                raise TrainLaunchError(f"variant {variant.name!r}: settings changed since the run started "
+                                       f"({describe_changes(changed)}); use --force to retrain")
             meta = out / "config.json"
             if meta.exists() and json.loads(meta.read_text()).get("training", {}).get("final"):
                 log.info("variant %s is already trained; skipping", variant.name)
                 continue
         out.mkdir(parents=True, exist_ok=True)
-        record_path.write_text(json.dumps(record, indent=1))
+        write_json(record_path, record)
         todo.append(variant)
     return todo
 
@@ -272,16 +272,15 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
 
 def copy_final(checkpoint, out: Path) -> None:
     """Copy the checkpoint's drafter files (and its ``trained_prompts.json``, when it has one; a stale
-    one in ``out`` is removed otherwise) into ``out`` atomically, file by file."""
+    one in ``out`` is removed otherwise) into ``out`` atomically, file by file; ``config.json``, which
+    says whether training is final, comes last."""
     with checkpoint.as_directory() as directory:
         source = Path(directory) / DRAFTER_DIR
-        for name in ("model.safetensors", "config.json", TRAINED_PROMPTS):
+        for name in ("model.safetensors", TRAINED_PROMPTS, "config.json"):
             if name == TRAINED_PROMPTS and not (source / name).is_file():
                 (out / name).unlink(missing_ok=True)
                 continue
-            tmp = out / f".{name}.partial"
-            shutil.copyfile(source / name, tmp)
-            os.replace(tmp, out / name)
+            atomic_copy(source / name, out / name)
 
 
 def trained_prompts(sets: dict[str, FeatureSet], selection: MixtureSelection) -> dict:
@@ -330,7 +329,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
         "threads": worker_threads,
-        "fail_at_step": os.environ.get(FAIL_ENV),
+        "fail_at_step": os.environ.get(faults.TRAIN_ENV),
         "trained_prompts": trained_prompts(sets, plan.selection),
         "meta": {
             "variant": variant.name,
@@ -394,15 +393,23 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
     ``cfg.target`` on the CPU, :func:`load_target_head`; only its embedding, LM head, config and fingerprint
     are used). Raises :class:`TrainLaunchError` for
     input problems before anything is trained; a variant whose training fails is reported in the
-    summary (``status`` failed) after the others finish.
+    summary (``status`` failed) after the others finish. One process at a time trains into a run
+    folder (:func:`taps_ray.runstate.folder_lock`).
     """
+    started = time.time()
+    variants = select_variants(cfg, variant_names)
+    run_dir = _writable_run_dir(cfg)
+    with folder_lock(run_dir, "taps train"):
+        return _train(cfg, variants, run_dir, mode, target, started)
+
+
+def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, mode: Mode, target,
+           started: float) -> TrainSummary:
+    """:func:`run_training` in ``run_dir``, whose lock this process holds."""
     import ray
 
     from taps_ray.ray_utils import init_ray
 
-    started = time.time()
-    variants = select_variants(cfg, variant_names)
-    run_dir = _writable_run_dir(cfg)
     target = target or _load_target(cfg)
     fingerprint = target.fingerprint.to_dict()
     required = {d for v in variants for d in cfg.mixtures[v.mixture].ratio or cfg.mixtures[v.mixture].counts or {}}
@@ -486,9 +493,7 @@ def _summarize(run_dir: Path, results: list[VariantResult], wall_s: float) -> Tr
         ran = {r.variant for r in results}
         earlier = json.loads(path.read_text()).get("variants", [])
         record["variants"] = [v for v in earlier if v.get("variant") not in ran] + record["variants"]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=float))
-    os.replace(tmp, path)
+    write_json(path, record, default=float)
     return summary
 
 

@@ -26,14 +26,13 @@ epoch before it are regenerated in the same seeded order and skipped without dec
 is trained twice and the final step count is unchanged. Rank 0 appends ``metrics.jsonl`` and cuts
 it back to the resumed step on start.
 
-Failure injection (tests): ``fail_at_step`` or ``$TAPS_TRAIN_FAIL_AT_STEP`` = ``N`` (every variant)
-or ``variant:N[,variant:N]`` raises before step ``N`` once per rank (a marker file next to
-``metrics_path`` records that it happened).
+Failure injection (tests, :mod:`taps_ray.faults`): ``fail_at_step`` or ``$TAPS_TRAIN_FAIL_AT_STEP`` =
+``N`` (every variant) or ``variant:N[,variant:N]`` raises before step ``N`` once per rank (a marker
+file next to ``metrics_path`` records that it happened).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -47,22 +46,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from taps_ray import faults
 from taps_ray.config import ObjectiveConfig, TrainConfig
 from taps_ray.data.contamination import write_trained_prompts
 from taps_ray.data.features import decode_row
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetFingerprint
+from taps_ray.runstate import append_jsonl, read_jsonl, write_jsonl
 from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
 
-FAIL_ENV = "TAPS_TRAIN_FAIL_AT_STEP"
 STATE_NAME = "train_state.pt"
 DRAFTER_DIR = "drafter"
 LOSS_PARTS = ("loss", "feature", "ce", "topk")
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by the failure-injection hook."""
 
 
 @dataclass(frozen=True)
@@ -160,19 +156,6 @@ def collate(rows: list[dict], hidden_size: int, max_tokens: int | None = None,
     return {"input_ids": input_ids, "hidden": hidden, "loss_mask": loss_mask, "attention_mask": attention_mask}
 
 
-def parse_fail_at(value: str | int | None, variant: str) -> int | None:
-    """Step at which ``variant`` fails: ``N`` (all variants) or ``name:N[,name:N]``; None = never."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, int):
-        return value
-    for item in str(value).split(","):
-        name, _, step = item.strip().rpartition(":")
-        if not name or name == variant:
-            return int(step)
-    return None
-
-
 class MetricsLog:
     """``metrics.jsonl`` of one variant (rank 0): one JSON object per line, each with ``step``; the same
     numbers as TensorBoard scalars (``<kind>/<name>``, x = step) in ``tensorboard/`` beside it.
@@ -192,18 +175,13 @@ class MetricsLog:
         self._purge_step = step + 1
         if self.path is None or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        write_jsonl(self.path, [r for r in read_jsonl(self.path) if r["step"] <= step])
 
     def append(self, record: dict) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+        append_jsonl(self.path, [record], default=float)
         writer = self._tensorboard()
         for name, value in record.items():
             if name not in self.SKIP and isinstance(value, int | float) and math.isfinite(value):
@@ -403,7 +381,7 @@ def train_loop_per_worker(config: dict) -> dict:
     total_epochs = sum(s.epochs for s in stages)
     per_epoch = steps_per_epoch(int(config["train_rows"]), world, train.batch_size)
     total_steps = total_epochs * per_epoch
-    fail_at = parse_fail_at(config.get("fail_at_step") or os.environ.get(FAIL_ENV), variant)
+    fail_at = faults.fail_at_step(config.get("fail_at_step") or os.environ.get(faults.TRAIN_ENV), variant)
     marker = Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
     heldout = heldout_rows(_resolve(config.get("heldout")), hidden_size)
@@ -453,10 +431,7 @@ def train_loop_per_worker(config: dict) -> dict:
                 break
             if index < skip:
                 continue
-            if fail_at == state.step + 1 and not marker.exists():
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-                raise InjectedFailure(f"{variant}: injected failure before step {state.step + 1} ({FAIL_ENV})")
+            faults.train_step_fault(fail_at, state.step + 1, marker, variant)
             started, cpu_started = time.perf_counter(), time.process_time()
             batch = {k: v.to(device, non_blocking=True) for k, v in
                      collate(rows, hidden_size, train.max_tokens).items()}

@@ -21,14 +21,14 @@ from taps_ray.eval.runner import (
     run_eval,
 )
 from taps_ray.spec.decoder import generate
-from tests.spec.spec_helpers import peaky_tiny_target
+from tests.eval.eval_helpers import chat_tiny_target
 
 QUESTIONS = {
     "mt_bench": [BenchmarkQuestion(81, "writing", ["Write a travel blog post.", "Rewrite it in one line."], "mt_bench")],
     "gsm8k": [BenchmarkQuestion(0, "gsm8k", ["What is 17 + 25?"], "gsm8k"),
               BenchmarkQuestion(7, "gsm8k", ["A train goes 60 km in 1.5 hours. Speed?"], "gsm8k")],
 }
-FACTORY = partial(peaky_tiny_target, 0)
+FACTORY = partial(chat_tiny_target, 0)
 BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "tree.lookup_tokens=0", "eval.max_new_tokens=10", "eval.num_actors=0",
         "eval.benchmarks=[mt_bench, gsm8k]", "eval.temperatures=[0, 1]", "eval.drafters={math: 'random:0', chat: 'random:1'}"]
 

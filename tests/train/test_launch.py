@@ -23,9 +23,9 @@ from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash, write_feature_prompts
 from taps_ray.data.features import FeatureSet
 from taps_ray.data.mixtures import MixtureSelection
+from taps_ray.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
 from taps_ray.train.launch import TrainLaunchError, run_training, trained_prompts
-from taps_ray.train.loop import FAIL_ENV
 from tests.conftest import REPO
 from tests.train.train_helpers import drafter_tensors, tiny_experiment
 

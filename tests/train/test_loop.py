@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from taps_ray.config import ConfigError, TrainConfig, load_config
+from taps_ray.faults import fail_at_step
 from taps_ray.train.loop import (
     MetricsLog,
     ShardRows,
@@ -21,7 +22,6 @@ from taps_ray.train.loop import (
     epoch_batches,
     lr_at,
     noise_seed,
-    parse_fail_at,
     plan_stages,
     stage_of,
     steps_per_epoch,
@@ -102,9 +102,9 @@ def test_noise_seed_depends_on_seed_rank_and_step_only():
 
 
 def test_fail_at_parsing():
-    assert parse_fail_at("7", "a") == 7 and parse_fail_at(7, "a") == 7
-    assert parse_fail_at("a:11,b:3", "b") == 3 and parse_fail_at("a:11", "b") is None
-    assert parse_fail_at(None, "a") is None and parse_fail_at("", "a") is None
+    assert fail_at_step("7", "a") == 7 and fail_at_step(7, "a") == 7
+    assert fail_at_step("a:11,b:3", "b") == 3 and fail_at_step("a:11", "b") is None
+    assert fail_at_step(None, "a") is None and fail_at_step("", "a") is None
 
 
 def test_metrics_log_truncates_to_resumed_step(tmp_path):
