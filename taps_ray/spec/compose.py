@@ -8,7 +8,10 @@ Every strategy drafts from the same prefix with K >= 1 drafters of one target; `
   (two drafters), or the uniform average of K drafters (no ALPHA), then as ``single``.
 - ``routed:SIGNAL[:GRANULARITY]``: verify the tree of one drafter, chosen by the mean node
   confidence ``exp(score)`` (higher wins) or the mean node entropy (lower wins) over non-root
-  nodes. ``step`` drafts with all K and picks every step (the TAPS default for confidence);
+  nodes. Drafters with different draft vocabularies draft over the union of their vocabularies
+  (:func:`common_support`), so a smaller vocabulary does not make a drafter look more confident;
+  :func:`compose_trees` refuses to compare trees over different supports. ``step`` drafts with
+  all K and picks every step (the TAPS default for confidence);
   ``request`` decides from the mean signal of a probe window of ``probe_steps`` steps, then drafts
   with the chosen drafter only, re-probing every ``recheck_every`` steps (0: never, i.e. once per
   turn, the TAPS default for entropy). Drafters left out keep their accepted pairs queued and run
@@ -16,7 +19,8 @@ Every strategy drafts from the same prefix with K >= 1 drafters of one target; `
 - ``merged:union``: the trie union of the K trees (identical root paths become one node), verified
   at once; its size is about ``1 + K (N - 1)``.
 - ``merged:budget``: the union pruned to the root plus its ``N - 1`` most confident nodes
-  (ancestor-closed), so it costs one tree's verification.
+  (ancestor-closed, scores over the common support as for routing), so it costs one tree's
+  verification.
 
 Each proposed tree carries its decision in ``tree.meta``, which the decoder records per step:
 routed: ``route`` (drafter name), ``route_index``, ``signal``, ``signals`` [K] (every drafter's
@@ -39,7 +43,7 @@ from taps_ray.models.target import TargetModel
 from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.strategy import GRANULARITIES, SIGNALS, StrategySpec, parse_strategy
-from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees
+from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree, merge_trees, same_support
 
 _SIZE_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim")
@@ -63,6 +67,38 @@ def check_drafters(drafters: Sequence[DraftHead], names: Sequence[str], target: 
                                      f"{key} {getattr(head.config, key)} vs {want}")
 
 
+def common_support(drafters: Sequence[DraftHead]) -> torch.Tensor | None:
+    """The sorted union [S] of the drafters' draft vocabularies (target ids; a drafter without one brings
+    the whole target vocabulary), or None when all drafters share one draft vocabulary (their scores
+    already compare)."""
+    vocabularies = [d.draft_to_target for d in drafters]
+    first = vocabularies[0]
+    if all(v is None for v in vocabularies) or (
+            first is not None and all(v is not None and torch.equal(v.sort().values, first.sort().values)
+                                      for v in vocabularies[1:])):
+        return None
+    if any(v is None for v in vocabularies):
+        return torch.arange(drafters[0].config.vocab_size)
+    return torch.cat([v.cpu() for v in vocabularies]).unique()
+
+
+def check_comparable(trees: Sequence[DraftTree | None], names: Sequence[str], what: str) -> None:
+    """ValueError naming two drafters whose trees' scores and entropies are over different target-id
+    supports (see :attr:`DraftTree.support`), which ``what`` (routing, budget merging) would compare."""
+    present = [i for i, t in enumerate(trees) if t is not None]
+    first = present[0]
+    for i in present[1:]:
+        a, b = trees[first].support, trees[i].support
+        if not same_support(a, b):
+            raise ValueError(f"cannot {what} drafters {names[first]!r} and {names[i]!r}: their signals are over "
+                             f"different draft vocabularies ({_support_name(a)} vs {_support_name(b)}); draft "
+                             f"them over one support (taps_ray.spec.compose.common_support)")
+
+
+def _support_name(support: torch.Tensor | None) -> str:
+    return "the whole target vocabulary" if support is None else f"{support.numel()} target ids"
+
+
 def tree_signal(tree: DraftTree, signal: str) -> torch.Tensor:
     """0-dim mean over the non-root nodes: confidence ``exp(score)`` or draft ``entropy`` (NaN for a bare root)."""
     values = tree.score[1:].exp() if signal == "confidence" else tree.entropy[1:]
@@ -80,16 +116,21 @@ def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: 
     """One step of composition, pure: the tree to verify from one tree per drafter (None: that drafter
     gave none this step) and the decision meta (see the module doc). ``routed`` picks by ``spec.signal``
     (NaN for missing drafters); ``merged`` is the trie union of the trees given, pruned to the root and
-    the ``total_tokens - 1`` most confident nodes for ``budget``; anything else takes the first tree."""
+    the ``total_tokens - 1`` most confident nodes for ``budget``; anything else takes the first tree.
+    ``routed`` and ``budget`` compare scores across trees: ValueError (:func:`check_comparable`) when
+    the trees' supports differ."""
     present = [i for i, t in enumerate(trees) if t is not None]
     if not present:
         raise ValueError("compose_trees needs at least one tree")
     if spec.kind == "routed":
+        check_comparable(trees, names, "route between")
         values = torch.stack([tree_signal(t, spec.signal) if t is not None else torch.tensor(math.nan) for t in trees])
         pick = best_index(values, spec.signal)
         pick = pick if trees[pick] is not None else present[0]
         return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
     if spec.kind == "merged":
+        if spec.merge == "budget":
+            check_comparable(trees, names, "merge with a budget")
         device = trees[present[0]].tokens.device
         merged = merge_trees([trees[i].to("cpu") for i in present])
         sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
@@ -148,6 +189,7 @@ class _Ensemble:
         self.tree = tree or TreeConfig()
         self.target: TargetModel | None = None
         self.states: list[DrafterState] = []
+        self.support = common_support(self.drafters)
 
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         check_drafters(self.drafters, self.names, target)
@@ -161,7 +203,7 @@ class _Ensemble:
             state.add(tokens, features)
 
     def draft(self, i: int) -> DraftTree:
-        return draft_tree(self.drafters[i], self.target, self.states[i], self.tree)
+        return draft_tree(self.drafters[i], self.target, self.states[i], self.tree, self.support)
 
 
 class RoutedStrategy(_Ensemble):

@@ -32,7 +32,11 @@ class DraftTree:
     (cumulative draft log-prob of the path, root 0, non-increasing along paths), ``entropy`` [N]
     float (entropy of the draft distribution the node was drawn from, root 0), ``mask`` [N, N]
     bool (``mask[i, j]``: j is i or an ancestor of i), ``prefix_len`` r. ``meta`` carries
-    strategy information (routing decisions, merge sources) into the step record.
+    strategy information (routing decisions, merge sources) into the step record. ``support``
+    [S] long, sorted: the target ids over which ``score`` and ``entropy`` are normalised (a draft
+    vocabulary or a common support, see :func:`draft_tree`); None: the whole target vocabulary, or no
+    single support (trees built by hand, merged from trees over different supports). Scores and
+    entropies of two trees are comparable only over the same support (:func:`same_support`).
     """
 
     tokens: torch.Tensor
@@ -43,6 +47,7 @@ class DraftTree:
     mask: torch.Tensor
     prefix_len: int
     meta: dict = field(default_factory=dict)
+    support: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -80,6 +85,7 @@ class DraftTree:
             mask=self.mask[keep][:, keep],
             prefix_len=self.prefix_len,
             meta=dict(self.meta),
+            support=self.support,
         )
 
     def top_nodes(self, n: int) -> torch.Tensor:
@@ -98,7 +104,14 @@ class DraftTree:
             return self
         return DraftTree(self.tokens.to(device), self.parent.to(device), self.depth.to(device),
                          self.score.to(device), self.entropy.to(device), self.mask.to(device), self.prefix_len,
-                         self.meta)
+                         self.meta, self.support)
+
+
+def same_support(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two :attr:`DraftTree.support` values name the same target ids."""
+    if a is None or b is None:
+        return a is b
+    return a is b or (a.shape == b.shape and torch.equal(a, b.to(a.device)))
 
 
 def rerank(score: torch.Tensor, n: int) -> torch.Tensor:
@@ -191,7 +204,8 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
 
     A merged node's ``score`` is the best of its copies, ``entropy`` their mean;
     ``meta["sources"]`` [N, len(trees)] bool says which trees proposed each node. Nodes come out
-    level by level (parents first), so :meth:`DraftTree.top` gives the budgeted merge.
+    level by level (parents first), so :meth:`DraftTree.top` gives the budgeted merge. The union keeps
+    the trees' common ``support`` (None when they differ: its scores are then not comparable).
     """
     if not trees:
         raise ValueError("merge_trees needs at least one tree")
@@ -222,7 +236,10 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
         0, merged, torch.cat([t.entropy for t in trees]).float(), "mean", include_self=False)
     sources = torch.zeros(next_id, len(trees), dtype=torch.bool, device=device)
     sources[merged, source] = True
-    return build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
+    merged = build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
+    if all(same_support(t.support, trees[0].support) for t in trees[1:]):
+        merged.support = trees[0].support
+    return merged
 
 
 class DrafterState:
@@ -240,11 +257,38 @@ class DrafterState:
         self.head: torch.Tensor | None = None
         self._tokens: list[torch.Tensor] = []
         self._features: list[torch.Tensor] = []
+        self._support: tuple | None = None
 
     def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Queue pairs: ``tokens`` [m] are token_{i+1}, ``features`` [m, H] are the target's f_i."""
         self._tokens.append(tokens.reshape(-1))
         self._features.append(features.reshape(tokens.numel(), -1))
+
+    def support_rows(self, target: TargetModel, support: torch.Tensor | None) -> tuple[torch.Tensor | None,
+                                                                                      torch.Tensor | None]:
+        """``(recorded, extra)`` for drafting over ``support`` (sorted target ids [S] containing the draft
+        vocabulary; None: the draft vocabulary): the tree's ``support`` (None for the whole target
+        vocabulary) and the LM-head rows [E, H] of the support ids outside the draft vocabulary (None
+        when there are none). Computed once per support; ValueError when ``support`` misses a draft id."""
+        if self._support is not None and self._support[0] is support:
+            return self._support[1:]
+        own = self.drafter.draft_to_target
+        vocab = target.vocab_size
+        if support is None:
+            recorded = None if own is None else own.sort().values
+            extra = None
+        else:
+            ids = support.to(device=target.device, dtype=torch.long)
+            own = torch.arange(vocab, device=ids.device) if own is None else own.to(ids.device)
+            missing = int((~torch.isin(own, ids)).sum())
+            if missing:
+                raise ValueError(f"a support of {ids.numel()} target ids misses {missing} of the drafter's "
+                                 f"{own.numel()} draft ids")
+            recorded = None if ids.numel() == vocab else ids
+            outside = ids[~torch.isin(ids, own)]
+            extra = target.lm_head.weight[outside] if outside.numel() else None
+        self._support = (support, recorded, extra)
+        return recorded, extra
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._tokens:
@@ -254,19 +298,34 @@ class DrafterState:
         return tokens, features
 
 
-def _log_probs(head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft log-probs [n, V] and their entropies [n] from drafter outputs ``hidden`` [n, H].
+def _log_probs(head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft log-probs [n, V], their entropies [n] and log-normalisers [n] from drafter outputs
+    ``hidden`` [n, H].
 
     ``head`` [V, H] is the (draft-vocabulary) LM head; ``head @ hidden^T`` is the faster CPU kernel for
     the few rows drafted at a time (the weight read dominates).
     """
     logits = (head @ hidden.to(head.dtype).T).T.float().contiguous()
     logp = torch.log_softmax(logits, dim=-1)
-    return logp, -(logp.exp() * logp).sum(-1)
+    return logp, -(logp.exp() * logp).sum(-1), logits.amax(-1) - logp.amax(-1)
+
+
+def _widen(extra: torch.Tensor, hidden: torch.Tensor, lse: torch.Tensor,
+           entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-normalise draft distributions from their draft vocabulary S onto S plus ``extra`` LM-head rows
+    [E, H]: for drafter outputs ``hidden`` [n, H] with log-normalisers ``lse`` [n] and entropies
+    ``entropy`` [n] over S, returns the log-prob shift [n] (log p_support - log p_S of any token of S,
+    <= 0) and the entropies [n] over the support."""
+    w = (extra @ hidden.to(extra.dtype).T).T.float() - lse[:, None]
+    shift = -torch.nn.functional.softplus(w.logsumexp(-1))
+    logp_extra = w + shift[:, None]
+    widened = shift.exp() * (entropy - shift) - (logp_extra.exp() * logp_extra).sum(-1)
+    return shift, widened
 
 
 @torch.inference_mode()
-def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tree_cfg: TreeConfig) -> DraftTree:
+def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tree_cfg: TreeConfig,
+               support: torch.Tensor | None = None) -> DraftTree:
     """Draft one EAGLE-2 dynamic tree of at most ``tree_cfg.total_tokens`` nodes.
 
     Runs the queued pairs (the last token queued is the root), takes the root's top-K children,
@@ -276,8 +335,15 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     expansion KV entries are cropped afterwards; only the committed pairs stay in the cache.
     Siblings are distinct without a check: each node's children are one top-K over the draft
     vocabulary, and ``draft_to_target`` is injective (checked when the :class:`DraftHead` is built).
+
+    ``support`` (sorted target ids [S] containing the draft vocabulary; None: the draft vocabulary):
+    the tree's ``score`` and ``entropy`` are those of the drafter's distributions re-normalised over
+    these target ids (one more LM-head product, over the ids outside the draft vocabulary, per tree),
+    so trees of drafters with different draft vocabularies drafted over one support compare. The
+    tree's nodes are chosen on the draft vocabulary either way.
     """
     device = target.device
+    recorded, extra = state.support_rows(target, support)
     tokens, features = state.take_pending()
     r = state.committed + tokens.numel()
     positions = torch.arange(state.committed, r, device=device)[None]
@@ -290,7 +356,8 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
         weight = target.lm_head.weight
         state.head = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
 
-    logp, ent = _log_probs(state.head, out[0, -1:])
+    logp, ent, lse = _log_probs(state.head, out[0, -1:])
+    rows = [(out[0, -1:], lse, ent)] if extra is not None else None
     k = min(tree_cfg.top_k, logp.shape[-1])
     depth = tree_cfg.depth
     n_cand = k + depth * k * k
@@ -299,6 +366,7 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     cand_score = torch.empty(n_cand, dtype=torch.float32, device=device)
     cand_entropy = torch.empty(n_cand, dtype=torch.float32, device=device)
     cand_depth = torch.empty(n_cand, dtype=torch.long, device=device)
+    cand_row = torch.zeros(n_cand, dtype=torch.long, device=device) if rows is not None else None
 
     top = logp[0].topk(k)
     frontier_token = drafter.to_target_ids(top.indices)
@@ -319,7 +387,9 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
         positions = torch.full((1, k), r + level - 1, device=device)
         hidden = drafter(target.embed_tokens(frontier_token)[None], frontier_feature[None], positions,
                          state.cache, mask)[0]
-        logp, ent = _log_probs(state.head, hidden)
+        logp, ent, lse = _log_probs(state.head, hidden)
+        if rows is not None:
+            rows.append((hidden, lse, ent))
         top = logp.topk(k, dim=-1)
         child_score = (frontier_score[:, None] + top.values).reshape(-1)
         child_token = drafter.to_target_ids(top.indices).reshape(-1)
@@ -327,6 +397,8 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
         cand_token[span], cand_score[span] = child_token, child_score
         cand_parent[span] = frontier_id.repeat_interleave(k)
         cand_entropy[span], cand_depth[span] = ent.repeat_interleave(k), level + 1
+        if rows is not None:
+            cand_row[span] = 1 + (level - 1) * k + torch.arange(k, device=device).repeat_interleave(k)
         if level < depth:
             best = child_score.topk(k).indices
             row = best // k
@@ -341,12 +413,22 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     remap = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)
     remap[keep] = torch.arange(1, keep.numel() + 1, device=device)
     parent = torch.cat([torch.full((1,), -1, device=device), remap[cand_parent[keep]].clamp(min=0)])
+    mask = ancestor_mask(parent, depth + 1)
+    score = torch.cat([cand_score.new_zeros(1), cand_score[keep]])
+    entropy = torch.cat([cand_entropy.new_zeros(1), cand_entropy[keep]])
+    if rows is not None:
+        hidden, lse, ent = (torch.cat(part) for part in zip(*rows))
+        shift, widened = _widen(extra, hidden, lse, ent)
+        node_row = cand_row[keep]
+        score = score + mask.float() @ torch.cat([shift.new_zeros(1), shift[node_row]])
+        entropy = torch.cat([entropy.new_zeros(1), widened[node_row]])
     return DraftTree(
         tokens=torch.cat([root.to(device), cand_token[keep]]),
         parent=parent,
         depth=torch.cat([cand_depth.new_zeros(1), cand_depth[keep]]),
-        score=torch.cat([cand_score.new_zeros(1), cand_score[keep]]),
-        entropy=torch.cat([cand_entropy.new_zeros(1), cand_entropy[keep]]),
-        mask=ancestor_mask(parent, depth + 1),
+        score=score,
+        entropy=entropy,
+        mask=mask,
         prefix_len=r,
+        support=recorded,
     )

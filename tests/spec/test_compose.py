@@ -10,7 +10,14 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.compose import MergedStrategy, RoutedStrategy, build_strategy, tree_signal
+from taps_ray.spec.compose import (
+    MergedStrategy,
+    RoutedStrategy,
+    build_strategy,
+    common_support,
+    compose_trees,
+    tree_signal,
+)
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.strategy import STRATEGY_NAMES, parse_strategy
@@ -168,7 +175,7 @@ def test_step_routing_records_every_decision(bigram, specialists, signal):
         assert meta["route_index"] == best and meta["route"] == list(specialists)[best]
         assert entry["tree"] is entry["drafted"][best]
     routes = [s.meta["route"] for s in result.steps]
-    assert "noise" not in routes and {"even", "odd"} <= set(routes)
+    assert {"even", "odd"} <= set(routes)
 
 
 @pytest.mark.parametrize("signal", ["confidence", "entropy"])
@@ -266,3 +273,99 @@ def test_merged_budget_keeps_the_most_confident_ancestor_closed_nodes(bigram, sp
         assert all(p[:-1] in kept_paths for p in kept_paths if len(p) > 2)
         dropped = [s for p, s in union_paths.items() if p not in kept_paths]
         assert min(union_paths[p] for p in kept_paths) >= max(dropped)
+
+
+def reduced_sharp_drafter(target, vocab: torch.Tensor | None, seed: int) -> DraftHead:
+    """:func:`sharp_drafter` ``seed``'s weights with draft vocabulary ``vocab`` (target ids)."""
+    head = DraftHead(target.config, draft_to_target=vocab, seed=seed).eval()
+    head.load_state_dict(sharp_drafter(target, seed).state_dict())
+    return head
+
+
+def chain_scores(drafter, target, tokens, features, tree, support: torch.Tensor):
+    """Brute force: for every node, the drafter run token by token along the node's root path on a fresh
+    cache, each draft distribution a softmax over the LM-head rows of ``support`` (target ids). Returns
+    the path log-probs [N] and the entropies [N] of the distribution each node was drawn from."""
+    head = target.lm_head.weight[support]
+    index = {int(t): i for i, t in enumerate(support)}
+    scores, entropies = [0.0], [0.0]
+    with torch.inference_mode():
+        for node in range(1, tree.size):
+            path = tree.tokens[tree.mask[node].nonzero().squeeze(1)].tolist()
+            cache = drafter.new_cache()
+            hidden = drafter(target.embed_tokens(tokens)[None], features[None], torch.arange(tokens.numel())[None],
+                             cache)[0, -1]
+            score = 0.0
+            for step, token in enumerate(path[1:]):
+                logp = torch.log_softmax((head @ hidden).float(), -1)
+                score += float(logp[index[token]])
+                entropy = float(-(logp.exp() * logp).sum())
+                position = torch.tensor([[tokens.numel() + step]])
+                hidden = drafter(target.embed_tokens(torch.tensor([token]))[None], hidden[None, None], position,
+                                 cache)[0, -1]
+            scores.append(score)
+            entropies.append(entropy)
+    return torch.tensor(scores), torch.tensor(entropies)
+
+
+@pytest.mark.parametrize("support", ["own", "union", "whole"])
+def test_tree_scores_and_entropies_are_over_the_support(peaky_target, support):
+    ids = torch.arange(peaky_target.vocab_size)
+    small, large = ids[(ids % 3 == 0) | (ids < 40)], ids[ids % 2 == 0]
+    drafter = reduced_sharp_drafter(peaky_target, small, 5)
+    over = {"own": small, "union": torch.cat([small, large]).unique(), "whole": ids}[support]
+    prompt = random_prompt(peaky_target, 9, 31)
+    tokens, features = prompt[1:], peaky_target.hidden_states(prompt[None])[0, :-1]
+    state = DrafterState(drafter)
+    state.add(tokens, features)
+    cfg = TreeConfig(depth=2, top_k=3, total_tokens=10, lookup_tokens=0)
+    tree = draft_tree(drafter, peaky_target, state, cfg, None if support == "own" else over)
+    plain = DrafterState(drafter)
+    plain.add(tokens, features)
+    assert torch.equal(tree.tokens, draft_tree(drafter, peaky_target, plain, cfg).tokens), "the support moved nodes"
+    assert set(tree.tokens[1:].tolist()) <= set(small.tolist())
+    scores, entropies = chain_scores(drafter, peaky_target, tokens, features, tree, over)
+    torch.testing.assert_close(tree.score, scores, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(tree.entropy, entropies, atol=2e-4, rtol=1e-4)
+    assert tree.support is None if support == "whole" else torch.equal(tree.support, over)
+
+
+def test_routing_signals_are_over_the_union_of_the_vocabularies(peaky_target):
+    ids = torch.arange(peaky_target.vocab_size)
+    drafters = {"narrow": reduced_sharp_drafter(peaky_target, ids[ids < 64], 1),
+                "wide": reduced_sharp_drafter(peaky_target, ids[ids >= 32], 1)}
+    strategy = spy(SpyRouted, drafters, signal="confidence", granularity="step")
+    assert torch.equal(strategy.support, ids)
+    result = generate(peaky_target, random_prompt(peaky_target, 6, 9), strategy, max_new_tokens=12)
+    for step, entry in zip(result.steps, strategy.log):
+        trees = [entry["drafted"][i] for i in range(2)]
+        assert all(t.support is None for t in trees)
+        torch.testing.assert_close(step.meta["signals"], torch.stack([tree_signal(t, "confidence") for t in trees]))
+    prompt = random_prompt(peaky_target, 6, 9)
+    features = peaky_target.hidden_states(prompt[None])[0, :-1]
+    narrow, wide = [], []
+    for head, out in zip(drafters.values(), (narrow, wide)):
+        state = DrafterState(head)
+        state.add(prompt[1:], features)
+        out.append(draft_tree(head, peaky_target, state, TREE))
+    (narrow,), (wide,) = narrow, wide
+    with pytest.raises(ValueError, match=r"cannot route between drafters 'narrow' and 'wide': .*64 target ids vs "
+                                         r"224 target ids"):
+        compose_trees(parse_strategy("routed:confidence"), [narrow, wide], list(drafters), 12)
+    with pytest.raises(ValueError, match="cannot merge with a budget drafters 'narrow' and 'wide'"):
+        compose_trees(parse_strategy("merged:budget"), [narrow, wide], list(drafters), 12)
+    union, _ = compose_trees(parse_strategy("merged:union"), [narrow, wide], list(drafters), 12)
+    assert union.support is None and union.size > narrow.size
+
+
+def test_common_support():
+    target = make_tiny_target(0)
+    ids = torch.arange(target.vocab_size)
+    full, a, b = (DraftHead(target.config, draft_to_target=v) for v in (None, ids[:10], ids[5:20].flip(0)))
+    assert common_support([full, DraftHead(target.config)]) is None
+    assert common_support([a, DraftHead(target.config, draft_to_target=ids[:10].flip(0))]) is None
+    assert torch.equal(common_support([a, b]), ids[:20])
+    assert torch.equal(common_support([a, full]), ids)
+    state = DrafterState(b)
+    with pytest.raises(ValueError, match="misses 5 of the drafter's 15 draft ids"):
+        state.support_rows(target, ids[:15])
