@@ -11,6 +11,7 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.tree import DraftTree, build_tree
+from taps_ray.spec.verify import process_logits
 from tests.conftest import data_dir, make_tiny_target
 
 BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
@@ -39,6 +40,42 @@ def make_peaky(target: TargetModel, seed: int = 0, scale: float = 4.0) -> Target
     target.model.lm_head = head
     target.lm_head = head
     return target
+
+
+def next_token_laws(target: TargetModel, prefix: torch.Tensor, n_tokens: int, temperature: float,
+                    top_p: float = 1.0, top_k: int = 0) -> list[torch.Tensor]:
+    """Exact processed next-token laws after ``prefix`` [T]: element j [V] * j+1 is the law of token j+1
+    given tokens 1..j (all V**j continuations in one batched target pass)."""
+    vocab = target.vocab_size
+    laws = []
+    with torch.inference_mode():
+        for j in range(n_tokens):
+            grid = torch.stack(torch.meshgrid(*[torch.arange(vocab)] * j, indexing="ij"), -1).reshape(vocab ** j, j) \
+                if j else torch.zeros(1, 0, dtype=torch.long)
+            seqs = torch.cat([prefix.expand(vocab ** j, -1), grid], 1)
+            logits = target.logits(target.hidden_states(seqs))[:, -1]
+            laws.append(process_logits(logits, temperature, top_p, top_k).reshape(*[vocab] * (j + 1)))
+    return laws
+
+
+def joint_law(laws: list[torch.Tensor]) -> torch.Tensor:
+    """The joint law [V ** n] (row-major over tokens 1..n) of :func:`next_token_laws`, float64."""
+    joint = laws[0].double()
+    for law in laws[1:]:
+        joint = joint[..., None] * law.double()
+    return joint.reshape(-1)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of ``counts`` to ``probs``; cells with expected count < 5 pooled into one, cells of
+    probability 0 left out (they must be empty, checked separately)."""
+    expected = probs * counts.sum()
+    big, small = expected >= 5, (expected > 0) & (expected < 5)
+    observed = torch.cat([counts[big], counts[small].sum()[None]]) if small.any() else counts[big]
+    expected = torch.cat([expected[big], expected[small].sum()[None]]) if small.any() else expected[big]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(statistic / 2.0)))
 
 
 def random_prompt(target: TargetModel, length: int, seed: int) -> torch.Tensor:

@@ -25,8 +25,13 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import DecodeState, SingleStrategy
 from taps_ray.spec.tree import DraftTree, build_tree
-from taps_ray.spec.verify import process_logits
-from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
+from tests.spec.spec_helpers import (
+    chi_square_p_value,
+    joint_law,
+    next_token_laws,
+    peaky_tiny_target,
+    random_prompt,
+)
 
 V = 16
 TARGET = peaky_tiny_target(5, vocab_size=V, hidden_size=32, scale=1.2)
@@ -36,22 +41,12 @@ P_VALUE = 1e-3
 
 def exact_tables(temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Processed next-token laws: p1 [V] after the prefix, p2 [V, V] after (t1), p3 [V, V, V] after (t1, t2)."""
-    with torch.inference_mode():
-        def law(seqs: torch.Tensor) -> torch.Tensor:
-            logits = TARGET.logits(TARGET.hidden_states(seqs))[:, -1]
-            return process_logits(logits, temperature, top_p)
-
-        grid = torch.arange(V)
-        p1 = law(PREFIX[None])[0]
-        p2 = law(torch.cat([PREFIX.expand(V, -1), grid[:, None]], 1))
-        pairs = torch.cartesian_prod(grid, grid)
-        p3 = law(torch.cat([PREFIX.expand(V * V, -1), pairs], 1)).reshape(V, V, V)
+    p1, p2, p3 = next_token_laws(TARGET, PREFIX, 3, temperature, top_p)
     return p1, p2, p3
 
 
 def exact_joint(temperature: float, top_p: float) -> torch.Tensor:
-    p1, p2, p3 = exact_tables(temperature, top_p)
-    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1).double()
+    return joint_law(list(exact_tables(temperature, top_p)))
 
 
 class ExactOracle:
@@ -101,18 +96,6 @@ def sample_counts(make_strategy, sampling: dict, n: int) -> tuple[torch.Tensor, 
     return dense, accepted
 
 
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of ``counts`` to ``probs``; cells with expected count < 5 pooled into one, cells of
-    probability 0 left out (they must be empty, checked separately)."""
-    expected = probs * counts.sum()
-    big, small = expected >= 5, (expected > 0) & (expected < 5)
-    observed = torch.cat([counts[big], counts[small].sum()[None]]) if small.any() else counts[big]
-    expected = torch.cat([expected[big], expected[small].sum()[None]]) if small.any() else expected[big]
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    df = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(statistic / 2.0)))
-
-
 def fresh_drafter_strategy():
     return SingleStrategy(DraftHead(TARGET.config, seed=4), TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0))
 
@@ -142,7 +125,7 @@ def test_lookup_chains_are_grafted_on_this_prefix():
 def test_first_tokens_follow_the_target_law(sampling, wrong, strategy, n):
     temperature, top_p = sampling["temperature"], sampling.get("top_p", 1.0)
     p1, p2, p3 = exact_tables(temperature, top_p)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1).double()
+    joint = joint_law([p1, p2, p3])
     make = {"oracle": lambda: ExactOracle(p2, p3), "drafter": fresh_drafter_strategy,
             "drafter+lookup": lookup_drafter_strategy}[strategy]
     counts, accepted = sample_counts(make, sampling, n)
