@@ -75,6 +75,7 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
         mask=mask,
         prefix_len=tree.prefix_len,
         meta={**tree.meta, "lookup_nodes": m},
+        support=tree.support,
     )
 
 

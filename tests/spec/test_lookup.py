@@ -36,7 +36,9 @@ def _tree():
 
 def test_graft_shares_the_existing_prefix_and_appends_the_rest():
     tree = _tree()
+    tree.support = t(10, 11, 12, 13, 20, 21)
     grafted = graft_chain(tree, t(11, 12, 20, 21))
+    assert grafted.support is tree.support
     assert grafted.tokens.tolist() == [10, 11, 12, 13, 20, 21]
     assert grafted.parent.tolist() == [-1, 0, 1, 0, 2, 4]
     assert grafted.depth.tolist() == [0, 1, 2, 1, 3, 4]
