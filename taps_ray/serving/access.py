@@ -1,5 +1,5 @@
 """Checks every HTTP request passes before routing, as a pure ASGI middleware (no Ray): the Host
-allow-list (400), the API key (401, every route but ``/health``), the docs switch (404) and the
+allow-list (400), the API key (401, every route but ``/health`` and ``/ready``), the docs switch (404) and the
 body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too).
 Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_body`)."""
 
@@ -17,7 +17,8 @@ from taps_ray.config import ServeConfig
 from taps_ray.serving.protocol import error_body
 
 ENV_KEYS = "TAPS_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Probe routes: liveness and readiness answer without a key (they say nothing but up or down)."""
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 

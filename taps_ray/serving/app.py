@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from taps_ray.config import ConfigError, ExperimentConfig, apply_overrides, load_config
+from taps_ray.config import ConfigError, ExperimentConfig, ServeConfig, apply_overrides, load_config
 from taps_ray.serving.access import resolve_api_keys
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
-from taps_ray.serving.plan import resolve_plan
+from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, drafter_deployment_name, resolve_plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.verifier import Verifier
 
@@ -29,6 +29,7 @@ INTERNAL_LOGGING = {"enable_access_log": False}
 """Drafter and Verifier calls happen every decoding step: no Serve access-log line for each."""
 
 SESSION_GRACE_S = 60.0
+INGRESS_HEADROOM = 64
 
 
 class AppArgs(BaseModel):
@@ -68,10 +69,6 @@ def drafter_user_config(cfg: ExperimentConfig, name: str) -> dict:
     return {**weights, "fault": d.fault, "delay_s": d.delay_s}
 
 
-def drafter_deployment_name(name: str) -> str:
-    return f"Drafter_{name}"
-
-
 def application(cfg: ExperimentConfig):
     """The bound Serve application (ingress at the route prefix)."""
     s = cfg.serve
@@ -95,16 +92,29 @@ def application(cfg: ExperimentConfig):
             options["num_replicas"] = d.num_replicas
         drafters[name] = serve.deployment(Drafter).options(**options).bind(name, target, tree, ttl, d.threads)
     verifier = serve.deployment(Verifier).options(
-        name="Verifier", num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
+        name=VERIFIER_DEPLOYMENT, num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
+        max_queued_requests=s.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=s.retry_after_s),
         ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus},
         logging_config=INTERNAL_LOGGING,
     ).bind(target, tree, s.model_dump(), drafters)
     model_name = s.model_name or served_model_name(cfg.target.model)
+    ongoing, queued = ingress_limits(s)
     return serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=s.ingress_replicas, max_ongoing_requests=max(64, 4 * s.max_concurrent_requests),
+        name="Ingress", num_replicas=s.ingress_replicas, max_ongoing_requests=ongoing, max_queued_requests=queued,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.retry_after_s),
         ray_actor_options={"num_cpus": s.ingress_num_cpus},
     ).bind(verifier, s.model_dump(), cfg.sampling.model_dump(), model_name, [cfg.target.model],
            resolve_api_keys(s.api_keys))
+
+
+def ingress_limits(s: ServeConfig) -> tuple[int, int]:
+    """``max_ongoing_requests`` and ``max_queued_requests`` of an ingress replica: room for every request
+    the verifiers decode and queue (each holds an ingress slot while it streams) plus
+    :data:`INGRESS_HEADROOM` for probes, metrics and the at-once 429s, so ``/health`` never waits behind
+    decoding. Past both, Serve's proxy itself answers 503 with ``Retry-After`` (a plain-text body)."""
+    ongoing = s.verifier_replicas * s.max_concurrent_requests + s.max_queued_requests + INGRESS_HEADROOM
+    return ongoing, ongoing
 
 
 def served_model_name(target: str) -> str:

@@ -1,35 +1,61 @@
 """OpenAI-compatible FastAPI ingress: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE),
-``/v1/models``, ``/health`` and ``/metrics``.
+``/v1/models``, ``/health`` (liveness), ``/ready`` (readiness) and ``/metrics``.
 
 Client errors are 4xx with an OpenAI error body naming the field. Before routing,
+:class:`~taps_ray.serving.errors.RequestContext` gives the request its id and arrival time and
 :class:`~taps_ray.serving.access.AccessGuard` checks the Host, the API key, the docs switch and the
 body size; the ingress then validates the body, the model, the ``taps`` options and the server's
 limits (:func:`~taps_ray.serving.protocol.check_limits`); the verifier checks the prompt's token
 count against the context length before prefill (its first streamed event is ``start`` or ``error``,
 so no HTTP status is committed before that).
+
+Load shedding: requests wait for a verifier slot in Serve's queue of at most
+``serve.max_queued_requests`` per ingress replica; beyond it the request is answered at once with a
+429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
+included (504 when it runs out before decoding starts). ``/health`` answers from the ingress alone;
+``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
+
+Errors leak nothing: every error body carries the request id; 5xx bodies say only that something
+failed, and the details (exception, traceback) go to the server log under that id.
 """
 
 import asyncio
 import json
 import logging
+import math
 import time
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from taps_ray.config import SamplingConfig, ServeConfig
-from taps_ray.serving import access, protocol
+from taps_ray.serving import access, errors, protocol
 from taps_ray.serving import metrics as serving_metrics
 from taps_ray.serving.metrics import ServingMetrics
-from taps_ray.serving.plan import DecodeRequest, resolve_plan
-from taps_ray.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, DecodeRequest, drafter_deployment_name, resolve_plan
+from taps_ray.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    internal_error_body,
+)
 
 log = logging.getLogger(__name__)
 
 app = FastAPI(title="taps_ray", description="Task-aware speculative decoding, OpenAI-compatible")
 app.add_middleware(access.AccessGuard)
+app.add_middleware(errors.RequestContext)
+READY_CACHE_S = 1.0
+"""How long ``/ready`` reuses the controller's answer (probes from many balancers cost one call)."""
+READY_TIMEOUT_S = 10.0
+"""How long ``/ready`` waits for the controller before it says ``not_ready``."""
 
 
 def _failed(status: int) -> None:
@@ -41,6 +67,20 @@ def _failed(status: int) -> None:
 async def _request_error(request: Request, err: RequestError) -> JSONResponse:
     _failed(err.status)
     return JSONResponse(err.body(), status_code=err.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    path = request.url.path[:200]
+    if err.status_code == 404:
+        message, type, code = f"no route {path}", "not_found_error", "not_found"
+    elif err.status_code == 405:
+        message, type, code = f"{request.method} is not allowed on {path}", "invalid_request_error", "method_not_allowed"
+    else:
+        message = err.detail if isinstance(err.detail, str) else "the request was refused"
+        type, code = "invalid_request_error", None
+    _failed(err.status_code)
+    return JSONResponse(error_body(message, type, None, code), status_code=err.status_code, headers=err.headers)
 
 
 def _union_tag(part) -> bool:
@@ -72,8 +112,26 @@ def public_checkpoint(checkpoint: str | None) -> str | None:
     return "local"
 
 
+def _cancel(events) -> None:
+    """Cancel a verifier call (best effort). ``cancel()`` re-raises a failed assignment's error (a full
+    queue, say): that call is over already, so the error is moot here."""
+    try:
+        events.cancel()
+    except Exception as err:
+        log.debug("cancelling a verifier call: %r", err)
+
+
 def sse_line(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def readiness(running: dict[str, int], drafters: list[str]) -> dict:
+    """The ``/ready`` report from running replicas per deployment: ``ready`` (verifier and every drafter
+    up), ``degraded`` (the verifier up, a drafter down) or ``not_ready`` (no verifier replica)."""
+    verifier = running.get(VERIFIER_DEPLOYMENT, 0) > 0
+    up = {name: "up" if running.get(drafter_deployment_name(name), 0) > 0 else "down" for name in drafters}
+    status = "not_ready" if not verifier else "ready" if all(v == "up" for v in up.values()) else "degraded"
+    return {"status": status, "verifier": "up" if verifier else "down", "drafters": up}
 
 
 @serve.ingress(app)
@@ -94,14 +152,17 @@ class Ingress:
         self.aliases = {model_name, *aliases}
         self.metrics = serving_metrics.register(ServingMetrics(model_name))
         self.created = protocol.now()
+        self._ready: tuple[float, dict] | None = None
+        self._controller = None
+        self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        return await self._serve(body, body.chat(), "messages", chat=True)
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request):
+        return await self._serve(http, body, body.chat(), "messages", chat=True)
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        return await self._serve(body, body.prompt, "prompt", chat=False)
+    async def completions(self, body: CompletionRequest, http: Request):
+        return await self._serve(http, body, body.prompt, "prompt", chat=False)
 
     @app.get("/v1/models")
     async def models(self):
@@ -114,64 +175,142 @@ class Ingress:
 
     @app.get("/health")
     async def health(self):
-        try:
-            await asyncio.wait_for(self.verifier.info.remote(), timeout=5.0)
-        except Exception as err:
-            log.warning("health: the verifier did not answer: %r", err)
-            return JSONResponse({"status": "unavailable", "detail": "the verifier did not answer"}, status_code=503)
+        """Liveness: this ingress answers. It asks no other deployment, so a busy verifier is not unhealthy."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self):
+        """Readiness: whether the verifier and each drafter have a running replica (from the Serve
+        controller, not through their request queues). 503 without a verifier; ``degraded`` (200) when
+        a drafter is down, since the verifier then decodes without it and the output is unchanged."""
+        now = time.monotonic()
+        if self._ready is None or now - self._ready[0] > READY_CACHE_S:
+            self._ready = (now, await self._readiness())
+        report = self._ready[1]
+        if report["status"] == "not_ready":
+            return JSONResponse(report, status_code=503, headers=self._retry_after)
+        return report
+
+    async def _readiness(self) -> dict:
+        try:
+            running = await asyncio.wait_for(self.running_replicas(), READY_TIMEOUT_S)
+        except Exception:
+            log.exception("ready: the Serve controller did not answer")
+            self._controller, running = None, {}
+        return readiness(running, list(self.cfg.drafters))
+
+    async def running_replicas(self) -> dict[str, int]:
+        """Deployment name -> running replicas of this application, asked of the Serve controller
+        without blocking this replica's event loop."""
+        if self._controller is None:
+            self._controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME,
+                                                       namespace=SERVE_NAMESPACE)
+        details = await self._controller.get_serve_instance_details.remote()
+        app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
+        application = (details.get("applications") or {}).get(app_name) or {}
+        return {name: sum(getattr(r["state"], "value", r["state"]) == "RUNNING" for r in d.get("replicas", ()))
+                for name, d in (application.get("deployments") or {}).items()}
 
     @app.get("/metrics")
     async def metrics(self):
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
-    async def _serve(self, body, prompt, prompt_param: str, chat: bool):
+    async def _serve(self, http: Request, body, prompt, prompt_param: str, chat: bool):
         start = time.perf_counter()
-        try:
-            request = self._request(body, prompt, prompt_param)
-            events = self.verifier.options(stream=True).generate.remote(request)
-            first = await events.__anext__()
-            if first["type"] == "error":
-                raise RequestError(first["message"], first["param"], first["status"], first["error_type"],
-                                   first["code"])
-        except RequestError:
-            raise
-        except Exception as err:
-            log.exception("request failed before decoding started")
-            self.metrics.failed(503)
-            return JSONResponse(error_body(f"the verifier is unavailable: {err}", "server_error"), status_code=503)
+        request = self._request(body, prompt, prompt_param, errors.request_id(http.scope), errors.arrival(http.scope))
+        events = self.verifier.options(stream=True).generate.remote(request)
+        refused = await self._first_event(events, request)
+        if refused is not None:
+            return refused
         if body.stream:
-            return StreamingResponse(self._sse(events, body, request.rid, chat, start), media_type="text/event-stream")
+            return StreamingResponse(self._sse(events, body, request, chat, start), media_type="text/event-stream")
         self.metrics.running.labels(self.model_name).inc()
-        ttft, done = None, None
+        ttft, done, finished = None, None, False
         try:
             async for event in events:
                 if event["type"] == "delta" and ttft is None:
                     ttft = time.perf_counter() - start
                 elif event["type"] == "error":
-                    self.metrics.failed(event["status"])
-                    return JSONResponse(error_body(event["message"], event["error_type"], event["param"],
-                                                   event["code"]), status_code=event["status"])
+                    finished = True
+                    return self._error_event(event, request)
                 elif event["type"] == "done":
                     done = event
+            finished = True
         except asyncio.CancelledError:
-            events.cancel()
+            self.metrics.aborted.labels(self.model_name, "disconnect").inc()
             raise
-        except Exception as err:
-            log.exception("request %s failed while decoding", request.rid)
+        except Exception:
+            finished = True
+            log.exception("request %s (%s) failed while decoding", request.request_id, request.rid)
             self.metrics.failed(500)
-            return JSONResponse(error_body(f"decoding failed: {err}", "server_error"), status_code=500)
+            return JSONResponse(internal_error_body(request_id=request.request_id), status_code=500)
         finally:
             self.metrics.running.labels(self.model_name).dec()
+            if not finished:
+                _cancel(events)
         if done is None:
+            log.error("request %s (%s): the verifier's stream ended without a result", request.request_id, request.rid)
             self.metrics.failed(500)
-            return JSONResponse(error_body("decoding ended without a result", "server_error"), status_code=500)
+            return JSONResponse(internal_error_body(request_id=request.request_id), status_code=500)
         latency = time.perf_counter() - start
         self.metrics.finished(done["finish_reason"], done["usage"], done["taps"], latency, ttft or latency)
         make = protocol.chat_response if chat else protocol.completion_response
         return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"])
 
-    def _request(self, body, prompt, prompt_param: str) -> DecodeRequest:
+    async def _first_event(self, events, request: DecodeRequest) -> JSONResponse | None:
+        """Wait (until the request's deadline) for the verifier's first event: None when decoding started,
+        the response otherwise: 429 at once when the verifier's queue is full, 504 when the deadline passed
+        in the queue, 503 when the verifier cannot be reached, the verifier's own 4xx. Cancelled (the
+        client hung up) or refused, the request leaves the queue before any prefill."""
+        waiting = self.metrics.waiting.labels(self.model_name)
+        waiting.inc()
+        try:
+            first = await asyncio.wait_for(events.__anext__(), max(request.expires_at - time.time(), 0.0))
+        except BackPressureError as err:
+            _cancel(events)
+            log.info("request %s shed: %s", request.request_id, err)
+            self.metrics.failed(429)
+            return JSONResponse(error_body(
+                f"the server is at capacity (every decoding slot is busy and its queue is full); retry after "
+                f"{self._retry_after['Retry-After']} s", "rate_limit_error", None,
+                "server_busy", request.request_id), status_code=429, headers=self._retry_after)
+        except TimeoutError:
+            _cancel(events)
+            self.metrics.aborted.labels(self.model_name, "timeout").inc()
+            self.metrics.failed(504)
+            return JSONResponse(error_body(
+                f"the request timed out after {self.cfg.request_timeout_s:g} s waiting for a decoding slot",
+                "timeout_error", None, "timeout", request.request_id), status_code=504)
+        except asyncio.CancelledError:
+            _cancel(events)
+            self.metrics.aborted.labels(self.model_name, "disconnect").inc()
+            raise
+        except Exception:
+            _cancel(events)
+            log.exception("request %s (%s): the verifier could not be reached", request.request_id, request.rid)
+            self.metrics.failed(503)
+            return JSONResponse(internal_error_body("The model is not available right now", "unavailable",
+                                                    request.request_id), status_code=503, headers=self._retry_after)
+        finally:
+            waiting.dec()
+        if first["type"] == "error":
+            return self._error_event(first, request)
+        return None
+
+    def _error_event(self, event: dict, request: DecodeRequest) -> JSONResponse:
+        self.metrics.failed(event["status"])
+        return JSONResponse(self._error_body(event, request), status_code=event["status"])
+
+    @staticmethod
+    def _error_body(event: dict, request: DecodeRequest) -> dict:
+        """The client's body for a verifier error event: the verifier's message for client errors and
+        timeouts, a generic one (its details are in the verifier's log) for internal errors."""
+        if event["status"] >= 500 and event["status"] != 504:
+            return internal_error_body(request_id=request.request_id)
+        return RequestError(event["message"], event["param"], event["status"], event["error_type"],
+                            event["code"]).body(request.request_id)
+
+    def _request(self, body, prompt, prompt_param: str, request_id: str, arrival: float) -> DecodeRequest:
         protocol.check_limits(body, self.cfg)
         if body.model not in self.aliases:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
@@ -183,9 +322,11 @@ class Ingress:
             max_tokens=body.max_tokens, sampling=body.sampling(self.sampling), stop=body.stop,
             raw=prompt_param == "prompt", prompt_param=prompt_param,
             deadline_s=taps.draft_deadline_s if taps else None,
+            request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s,
         )
 
-    async def _sse(self, events, body, rid: str, chat: bool, start: float):
+    async def _sse(self, events, body, request: DecodeRequest, chat: bool, start: float):
+        rid = request.rid
         created = protocol.now()
         usage_chunks = body.include_usage
         chunk = protocol.chat_chunk if chat else protocol.completion_chunk
@@ -204,8 +345,7 @@ class Ingress:
                     elif event["type"] == "error":
                         finished = True
                         self.metrics.failed(event["status"])
-                        yield sse_line(error_body(event["message"], event["error_type"], event["param"],
-                                                  event["code"]))
+                        yield sse_line(self._error_body(event, request))
                         break
                     elif event["type"] == "done":
                         finished = True
@@ -218,13 +358,21 @@ class Ingress:
                         if usage_chunks:
                             yield sse_line(chunk(rid, self.model_name, created, None, usage=event["usage"],
                                                  include_usage=True))
-            except Exception as err:
+                if not finished:
+                    finished = True
+                    log.error("request %s (%s): the verifier's stream ended without a result", request.request_id,
+                              rid)
+                    self.metrics.failed(500)
+                    yield sse_line(internal_error_body(request_id=request.request_id))
+            except Exception:
                 finished = True
-                log.exception("request %s failed while streaming", rid)
+                log.exception("request %s (%s) failed while streaming", request.request_id, rid)
                 self.metrics.failed(500)
-                yield sse_line(error_body(f"decoding failed: {err}", "server_error"))
+                yield sse_line(internal_error_body(request_id=request.request_id))
             yield "data: [DONE]\n\n"
         finally:
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
-                events.cancel()
+                self.metrics.aborted.labels(self.model_name, "disconnect").inc()
+                _cancel(events)
+

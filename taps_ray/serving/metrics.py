@@ -37,6 +37,11 @@ class ServingMetrics:
         self.failure = Counter("taps_request_failure", "Requests answered with an error, by HTTP status",
                                labels + ["status"], registry=registry)
         self.running = Gauge("taps_num_requests_running", "Requests being decoded", labels, registry=registry)
+        self.waiting = Gauge("taps_num_requests_waiting", "Requests waiting for a verifier slot", labels,
+                             registry=registry)
+        self.aborted = Counter("taps_request_aborted", "Requests given up before they finished, by reason "
+                               "(disconnect: the client hung up; timeout: serve.request_timeout_s ran out in the queue)",
+                               labels + ["reason"], registry=registry)
         self.prompt_tokens = Counter("taps_prompt_tokens", "Prompt tokens of finished requests", labels,
                                      registry=registry)
         self.generation_tokens = Counter("taps_generation_tokens", "Generated tokens of finished requests", labels,

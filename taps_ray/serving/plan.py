@@ -9,6 +9,13 @@ from taps_ray.config import ServeConfig
 from taps_ray.serving.protocol import RequestError
 from taps_ray.spec.strategy import StrategySpec, parse_strategy
 
+VERIFIER_DEPLOYMENT = "Verifier"
+
+
+def drafter_deployment_name(name: str) -> str:
+    """The Serve deployment that serves drafter ``name``."""
+    return f"Drafter_{name}"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -78,7 +85,10 @@ def resolve_plan(strategy: str | None, drafters: list[str] | None, cfg: ServeCon
 @dataclass
 class DecodeRequest:
     """One request as the ingress hands it over: ``prompt`` is chat messages, raw text (``raw``) or
-    token ids; ``prompt_param`` names the request field for errors."""
+    token ids; ``prompt_param`` names the request field for errors. ``request_id``: the HTTP request's
+    id (error bodies and log lines name it); ``expires_at``: the wall-clock time (``time.time()``) its
+    ``serve.request_timeout_s`` runs out, counted from its arrival at the ingress (None: from the start
+    of decoding)."""
 
     rid: str
     prompt: list[dict] | str | list[int]
@@ -89,3 +99,5 @@ class DecodeRequest:
     raw: bool = False
     prompt_param: str = "messages"
     deadline_s: float | None = None
+    request_id: str | None = None
+    expires_at: float | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,15 +37,32 @@ class RequestError(Exception):
         self.type = type
         self.code = code
 
-    def body(self) -> dict:
+    def body(self, request_id: str | None = None) -> dict:
         named = self.param is None or self.message.startswith(self.param)
-        return error_body(self.message if named else f"{self.param}: {self.message}", self.type, self.param, self.code)
+        return error_body(self.message if named else f"{self.param}: {self.message}", self.type, self.param, self.code,
+                          request_id)
+
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("taps_request_id", default=None)
+"""The id of the HTTP request being answered (set by :class:`~taps_ray.serving.errors.RequestContext`)."""
+
+INTERNAL_ERROR = "The server had an error while processing your request"
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns it."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+               code: str | None = None, request_id: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code", "request_id"}}``: the OpenAI API's error object plus
+    the request's id (``request_id``, else the current one), under which the server log has the details."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code,
+                      "request_id": request_id or REQUEST_ID.get()}}
+
+
+def internal_error_body(message: str = INTERNAL_ERROR, code: str = "internal_error",
+                        request_id: str | None = None) -> dict:
+    """A 5xx body that says nothing about the cause (that goes to the server log under the request id)."""
+    rid = request_id or REQUEST_ID.get()
+    return error_body(f"{message}; the server log has the details under request id {rid}", "server_error", None,
+                      code, rid)
 
 
 def _unicode(value: str) -> str:

@@ -346,6 +346,21 @@ class TextStream:
         return delta
 
 
+async def _settle(done: asyncio.Future) -> None:
+    """Wait for ``done`` (a decode loop told to stop, so within one step) even if cancelled meanwhile, so
+    the caller's slot is not handed on while the loop still runs; the cancellation is then re-raised."""
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float | None, total_s: float,
               records: list[StepRecord] | None = None, completion_tokens: int | None = None) -> dict:
     """The response's ``taps`` block (and what the metrics count). ``records`` (the loop's step
@@ -390,6 +405,13 @@ class Verifier:
 
     :meth:`generate` streams events for one request: ``start`` (prompt tokens, max tokens) or
     ``error`` first, then ``delta`` texts, then ``done`` (finish reason, usage, ``taps`` block).
+
+    Cancellation frees the machine: when the caller goes away (the client hung up) or the request's
+    deadline (``DecodeRequest.expires_at``, counted from its arrival) passes, its decode loop stops at
+    the next step, or before prefill when it has not begun. At most ``max_concurrent_requests`` decode
+    loops run per replica (a pool of that many threads), and :meth:`generate` returns only once its
+    loop has ended, so a new request never decodes beside a cancelled one that is still winding down:
+    it waits in the pool (``waiting``) and starts when the old loop has stopped.
     """
 
     def __init__(self, target: dict, tree: dict, serve: dict, drafters: dict):
@@ -399,13 +421,22 @@ class Verifier:
         self.tree = TreeConfig(**tree)
         self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
         self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
+        self._init_counts()
+
+    def _init_counts(self) -> None:
         self.active = 0
+        self.waiting = 0
+        self.counts: Counter = Counter()
         self._active_lock = threading.Lock()
 
     def info(self) -> dict:
-        """The target, its context length, the drafters, this replica's pid, resident memory and requests in flight."""
+        """The target, its context length, the drafters, this replica's pid and resident memory; ``active``:
+        decode loops running now (prefill included), ``waiting``: requests accepted but not yet started,
+        ``outcomes``: how past requests ended (``finished``, ``refused``, ``failed``, ``cancelled`` /
+        ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``)."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
-                "pid": os.getpid(), "rss_bytes": rss_bytes(), "active": self.active}
+                "pid": os.getpid(), "rss_bytes": rss_bytes(), "active": self.active, "waiting": self.waiting,
+                "outcomes": dict(self.counts)}
 
     async def generate(self, request: DecodeRequest):
         loop = asyncio.get_running_loop()
@@ -415,7 +446,9 @@ class Verifier:
         def emit(event: dict) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        loop.run_in_executor(self.pool, self.decode, request, emit, cancel)
+        with self._active_lock:
+            self.waiting += 1
+        done = loop.run_in_executor(self.pool, self.decode, request, emit, cancel, True)
         try:
             while True:
                 event = await queue.get()
@@ -424,26 +457,50 @@ class Verifier:
                     break
         finally:
             cancel.set()
+            await _settle(done)
 
-    def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None) -> None:
-        """Run one request to completion, reporting through ``emit`` (never raises)."""
+    def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None,
+               queued: bool = False) -> None:
+        """Run one request to completion, reporting through ``emit`` (never raises); ``queued``: it was
+        counted in ``waiting`` by :meth:`generate`."""
         with self._active_lock:
+            self.waiting -= queued
             self.active += 1
+        outcome = "finished"
         try:
-            self._decode(request, emit, cancel)
+            outcome = self._decode(request, emit, cancel) or outcome
         except RequestError as err:
+            outcome = getattr(err, "outcome", "timeout" if err.status == 504 else "refused")
             emit({"type": "error", "status": err.status, "message": err.message, "param": err.param,
                   "code": err.code, "error_type": err.type})
-        except Exception as err:
-            log.exception("request %s failed", request.rid)
-            emit({"type": "error", "status": 500, "message": f"internal error: {err}", "param": None,
-                  "code": None, "error_type": "server_error"})
+        except Exception:
+            outcome = "failed"
+            log.exception("request %s (%s) failed", request.request_id, request.rid)
+            emit({"type": "error", "status": 500, "message": "internal error", "param": None, "code": None,
+                  "error_type": "server_error"})
         finally:
             with self._active_lock:
                 self.active -= 1
+                self.counts[outcome] += 1
 
-    def _decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None) -> None:
+    def _decode(self, request: DecodeRequest, emit: Callable[[dict], None],
+                cancel: threading.Event | None) -> str | None:
         target, clients = self.target, self.clients
+        timeout = self.cfg.request_timeout_s
+        expires = time.monotonic() + (timeout if request.expires_at is None else request.expires_at - time.time())
+
+        def gone() -> str | None:
+            if cancel is not None and cancel.is_set():
+                return "cancelled_before_prefill"
+            if time.monotonic() > expires:
+                err = RequestError(f"request timed out after {timeout:g} s before decoding started", None,
+                                   status=504, type="timeout_error", code="timeout")
+                err.outcome = "timeout_before_prefill"
+                raise err
+            return None
+
+        if stopped := gone():
+            return stopped
         ids = self._prompt_ids(request)
         n, limit = len(ids), target.max_context
         if n >= limit:
@@ -463,6 +520,8 @@ class Verifier:
         missing = [d for d in request.plan.drafters if d not in clients]
         if missing:
             raise RequestError(f"drafter(s) {missing} are not deployed", "taps.drafters", code="drafter_not_found")
+        if stopped := gone():
+            return stopped
         emit({"type": "start", "prompt_tokens": n, "max_tokens": max_tokens})
 
         text = TextStream(target.tokenizer, request.stop)
@@ -476,8 +535,8 @@ class Verifier:
 
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, clients, deadline, self.tree.total_tokens, on_tokens,
-                                  cancel, time.monotonic() + self.cfg.request_timeout_s, self.cfg.route_probe_steps,
-                                  self.cfg.route_recheck_every, self.tree)
+                                  cancel, expires, self.cfg.route_probe_steps, self.cfg.route_recheck_every,
+                                  self.tree)
         start = time.perf_counter()
         result, stopped = None, None
         try:
@@ -486,11 +545,11 @@ class Verifier:
             stopped = stop.reason
         finally:
             strategy.close()
-        if stopped in ("cancelled", "timeout"):
-            if stopped == "timeout":
-                raise RequestError(f"request timed out after {self.cfg.request_timeout_s:g} s", None, status=504,
-                                   type="timeout_error", code="timeout")
-            return
+        if stopped == "timeout":
+            raise RequestError(f"request timed out after {timeout:g} s", None, status=504, type="timeout_error",
+                               code="timeout")
+        if stopped == "cancelled":
+            return "cancelled"
         if result is not None:
             tail = result.token_ids[text.used:]
             delta = text.push(tail)
@@ -505,6 +564,7 @@ class Verifier:
         emit({"type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
               "usage": {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion},
               "taps": taps})
+        return None
 
     def _prompt_ids(self, request: DecodeRequest) -> list[int]:
         target = self.target

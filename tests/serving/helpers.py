@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,3 +78,15 @@ class RecordingSingle(SingleStrategy):
 def same_tree(a, b) -> bool:
     return (a.prefix_len == b.prefix_len and torch.equal(a.tokens, b.tokens) and torch.equal(a.parent, b.parent)
             and torch.allclose(a.score, b.score, atol=1e-5))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) in a Prometheus text page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))

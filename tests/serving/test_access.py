@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -132,7 +132,8 @@ def assert_error(result, status: int, param: str | None):
     code, _, data = result
     assert code == status, data
     error = data["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert isinstance(error["request_id"], str) and error["request_id"]
     assert error["param"] == param and isinstance(error["message"], str) and error["type"].endswith("_error")
     if param is not None:
         assert param in error["message"]
@@ -177,21 +178,29 @@ def test_health_is_open_without_a_key(serve_app):
                                       {"status": "ok"})
 
 
-def test_an_unhealthy_verifier_is_a_503_that_leaks_nothing(serve_app, monkeypatch):
-    call = serve_app()
+def test_health_does_not_ask_the_verifier_and_ready_leaks_nothing(serve_app, monkeypatch):
+    """Liveness is the ingress's own answer (a busy or dead verifier does not make it fail); readiness
+    asks the controller, and a controller that fails is a 503 whose body names no actor, IP or path."""
+    call = serve_app(keys=[KEY])
 
     async def down():
         raise RuntimeError("ActorDiedError: actor 9f3c at 10.0.0.7 pid 4242 /secret/path")
 
+    async def no_controller(self):
+        raise RuntimeError("controller 10.0.0.7:6379 pid 4242 unreachable")
+
     monkeypatch.setattr(FakeVerifier, "info", property(lambda self: SimpleNamespace(remote=down)))
-    status, _, data = call("GET", "/health")
-    assert status == 503 and data == {"status": "unavailable", "detail": "the verifier did not answer"}
+    monkeypatch.setattr(ingress.Ingress.__mro__[1], "running_replicas", no_controller)
+    assert call("GET", "/health")[:3:2] == (200, {"status": "ok"})
+    status, headers, data = call("GET", "/ready")
+    assert status == 503 and headers["retry-after"] == "1"
+    assert data == {"status": "not_ready", "verifier": "down", "drafters": {"a": "down", "b": "down", "c": "down"}}
 
 
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
 def test_docs_are_off_by_default_and_on_with_serve_docs(serve_app, path):
     status, _, data = serve_app()("GET", path)
-    assert status == 404 and set(data["error"]) == {"message", "type", "param", "code"}
+    assert status == 404 and set(data["error"]) == {"message", "type", "param", "code", "request_id"}
     assert serve_app(docs=True)("GET", path)[0] == 200
     assert serve_app(docs=True, keys=[KEY])("GET", path)[0] == 401
 
@@ -317,7 +326,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_prefill(monkeypatch)
     monkeypatch.setattr(verifier_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
     verifier = object.__new__(Verifier)
     verifier.target, verifier.clients, verifier.cfg = target, {}, ServeConfig(drafters={"a": None})
-    verifier.active, verifier._active_lock = 0, threading.Lock()
+    verifier._init_counts()
     events = []
     n = target.max_context + 3
     request = DecodeRequest(rid="r", prompt=[1] * n, plan=resolve_plan("vanilla", None, verifier.cfg), max_tokens=4,
@@ -326,3 +335,279 @@ def test_a_prompt_longer_than_the_context_is_refused_before_prefill(monkeypatch)
     assert len(events) == 1 and events[0]["type"] == "error" and events[0]["status"] == 400
     assert events[0]["param"] == "prompt" and events[0]["code"] == "context_length_exceeded"
     assert str(n) in events[0]["message"] and str(target.max_context) in events[0]["message"]
+
+
+# -- load shedding, deadlines, cancellation and errors that leak nothing --------------------------
+
+SECRET = "RayActorError: actor 9f3c0a at 10.0.0.7 pid 4242 in /secret/runs/drafter"
+
+
+class Scripted:
+    """A verifier stream playing ``script``: event dicts, exceptions to raise, or ``"hang"`` (wait
+    until cancelled); ``cancelled`` counts :meth:`cancel` calls, which raise ``cancel_raises`` (as
+    Serve's ``cancel()`` re-raises a failed assignment's error)."""
+
+    def __init__(self, script: list, cancel_raises: Exception | None = None):
+        self.script = list(script)
+        self.cancelled = 0
+        self.cancel_raises = cancel_raises
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.script:
+            raise StopAsyncIteration
+        step = self.script.pop(0)
+        if step == "hang":
+            await asyncio.Event().wait()
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    def cancel(self):
+        self.cancelled += 1
+        if self.cancel_raises is not None:
+            raise self.cancel_raises
+
+
+def scripted(call, *script, cancel_raises: Exception | None = None) -> list[Scripted]:
+    """Make ``call``'s verifier answer every request with a fresh :class:`Scripted` stream; the streams made."""
+    made: list[Scripted] = []
+
+    def generate(request):
+        call.verifier.requests.append(request)
+        made.append(Scripted(script, cancel_raises))
+        return made[-1]
+
+    call.verifier._generate = generate
+    return made
+
+
+START, DELTA = {"type": "start"}, {"type": "delta", "text": "ok"}
+
+
+def sse_events(data: bytes) -> list:
+    lines = [line.removeprefix(b"data: ") for line in data.split(b"\n\n") if line.startswith(b"data: ")]
+    return [line.decode() if line == b"[DONE]" else json.loads(line) for line in lines]
+
+
+def test_a_full_queue_is_a_429_at_once_with_retry_after(serve_app):
+    from ray.serve.exceptions import BackPressureError
+
+    call = serve_app(max_queued_requests=3, retry_after_s=2.5)
+    full = BackPressureError(num_queued_requests=3, max_queued_requests=3, status_code=429)
+    streams = scripted(call, full, cancel_raises=full)
+    status, headers, _ = result = call("POST", CHAT, chat(stream=True), {"x-request-id": "burst-7"})
+    error = assert_error(result, 429, None)
+    assert headers["retry-after"] == "3" and error["code"] == "server_busy" and error["request_id"] == "burst-7"
+    assert "retry after 3 s" in error["message"] and "num_queued" not in error["message"]
+    assert streams[0].cancelled == 1
+    metrics = call("GET", "/metrics")[2].decode()
+    assert 'taps_request_failure_total{model_name="tiny",status="429"} 1.0' in metrics
+
+
+def test_the_deadline_counts_from_arrival_and_ends_the_wait_in_the_queue(serve_app):
+    call = serve_app(request_timeout_s=0.2)
+    streams = scripted(call, "hang")
+    error = assert_error(call("POST", CHAT, chat()), 504, None)
+    assert error["code"] == "timeout" and streams[0].cancelled == 1
+    request = call.verifier.requests[0]
+    assert request.expires_at is not None and request.request_id == error["request_id"]
+    metrics = call("GET", "/metrics")[2].decode()
+    assert 'taps_request_aborted_total{model_name="tiny",reason="timeout"} 1.0' in metrics
+    assert 'taps_num_requests_waiting{model_name="tiny"} 0.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("script, status", [
+    ([RuntimeError(SECRET)], 503),                                     # the verifier cannot be reached
+    ([START, DELTA, RuntimeError(SECRET)], 500),                       # it dies while decoding
+    ([START, {"type": "error", "status": 500, "message": SECRET, "param": None, "code": None,
+              "error_type": "server_error"}], 500),                    # it reports an internal error
+    ([START, DELTA], 500),                                             # its stream ends without a result
+])
+def test_an_internal_error_is_generic_for_the_client_and_detailed_in_the_log(serve_app, caplog, script, status,
+                                                                             stream):
+    caplog.set_level(logging.INFO)
+    call = serve_app()
+    scripted(call, *script)
+    code, _, data = call("POST", CHAT, chat(stream=stream), {"x-request-id": "abc-123"})
+    if stream and status == 500:
+        assert code == 200
+        events = sse_events(data)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        error = events[-2]["error"]
+    else:
+        error = assert_error((code, None, data), status, None)
+    assert error["type"] == "server_error" and error["request_id"] == "abc-123" and "abc-123" in error["message"]
+    assert SECRET not in json.dumps(data if isinstance(data, dict) else data.decode())
+    for leak in ("10.0.0.7", "4242", "9f3c0a", "/secret", "Traceback", "RuntimeError"):
+        assert leak not in error["message"]
+    if isinstance(script[-1], RuntimeError):
+        logged = [r for r in caplog.records if "abc-123" in r.getMessage()]
+        assert logged and any(r.exc_info and SECRET in str(r.exc_info[1]) for r in logged)
+
+
+def test_an_exception_escaping_a_route_is_a_generic_500(serve_app, caplog, monkeypatch):
+    caplog.set_level(logging.INFO)
+    call = serve_app()
+
+    def broken(self):
+        raise ValueError(SECRET)
+
+    monkeypatch.setattr(ingress, "public_checkpoint", broken)
+    status, _, data = call("GET", "/v1/models", headers={"x-request-id": "models-1"})
+    assert status == 500 and data["error"]["request_id"] == "models-1" and SECRET not in json.dumps(data)
+    assert any("models-1" in r.getMessage() and SECRET in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+@pytest.mark.parametrize("given, kept", [("req-42.a:b", True), ("x" * 129, False), ("bad id\nforged log", False),
+                                         ("", False), ("é", False)])
+def test_the_request_id_is_the_plain_x_request_id_or_a_fresh_one(serve_app, given, kept):
+    call = serve_app()
+    error = assert_error(call("POST", CHAT, chat(n=2), {"x-request-id": given}), 400, "n")
+    assert (error["request_id"] == given) is kept and "\n" not in error["request_id"]
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v2/nothing", 404), ("GET", CHAT, 405),
+                                                  ("DELETE", "/v1/models", 405)])
+def test_unknown_routes_and_methods_are_openai_shaped(serve_app, method, path, status):
+    error = assert_error(serve_app()(method, path), status, None)
+    assert error["type"].endswith("_error") and path in error["message"]
+
+
+def test_health_is_ok_while_the_verifier_is_busy_and_ready_reports_components(serve_app, monkeypatch):
+    call = serve_app()
+    scripted(call, "hang")
+
+    async def busy():
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(FakeVerifier, "info", property(lambda self: SimpleNamespace(remote=busy)))
+    running = {"Verifier": 1, "Drafter_a": 1, "Drafter_b": 0, "Drafter_c": 2, "Ingress": 1}
+    async def replicas(self):
+        return running
+
+    monkeypatch.setattr(ingress.Ingress.__mro__[1], "running_replicas", replicas)
+    assert call("GET", "/health")[:3:2] == (200, {"status": "ok"})
+    assert call("GET", "/ready")[:3:2] == (200, {"status": "degraded", "verifier": "up",
+                                                 "drafters": {"a": "up", "b": "down", "c": "up"}})
+
+
+def test_readiness_report():
+    assert ingress.readiness({"Verifier": 2, "Drafter_m": 1}, ["m"]) == {
+        "status": "ready", "verifier": "up", "drafters": {"m": "up"}}
+    assert ingress.readiness({"Drafter_m": 1}, ["m"])["status"] == "not_ready"
+    assert ingress.readiness({"Verifier": 1}, ["m"])["status"] == "degraded"
+
+
+def test_ingress_limits_leave_room_for_probes_beyond_the_verifier_queue():
+    from taps_ray.serving.app import INGRESS_HEADROOM, ingress_limits
+
+    cfg = ServeConfig(drafters={"a": None}, max_concurrent_requests=3, max_queued_requests=5, verifier_replicas=2)
+    ongoing, queued = ingress_limits(cfg)
+    assert ongoing == 2 * 3 + 5 + INGRESS_HEADROOM and queued == ongoing
+
+
+# -- the verifier: cancellation before prefill and within a step, generic internal errors --------
+
+def _verifier(target, **fields) -> Verifier:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from taps_ray.config import TreeConfig
+
+    verifier = object.__new__(Verifier)
+    verifier.target, verifier.clients = target, {}
+    verifier.cfg = ServeConfig(drafters={"a": None}, **fields)
+    verifier.tree = TreeConfig(lookup_tokens=0)
+    verifier.pool = ThreadPoolExecutor(verifier.cfg.max_concurrent_requests)
+    verifier._init_counts()
+    return verifier
+
+
+def _vanilla(n: int = 8, max_tokens: int = 4, **fields) -> DecodeRequest:
+    plan = resolve_plan("vanilla", None, ServeConfig(drafters={"a": None}))
+    return DecodeRequest(rid="cmpl-x", prompt=list(range(2, 2 + n)), plan=plan, max_tokens=max_tokens, sampling={},
+                         stop=None, raw=True, prompt_param="prompt", request_id="rq-1", **fields)
+
+
+@pytest.fixture
+def no_prefill(monkeypatch):
+    import taps_ray.serving.verifier as verifier_module
+
+    monkeypatch.setattr(verifier_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
+
+
+def test_a_request_cancelled_before_it_starts_never_prefills(no_prefill):
+    import threading
+
+    verifier, events, cancel = _verifier(bigram_target(0)), [], threading.Event()
+    cancel.set()
+    verifier.decode(_vanilla(), events.append, cancel)
+    assert events == [] and verifier.info()["outcomes"] == {"cancelled_before_prefill": 1}
+    assert verifier.active == 0
+
+
+def test_a_request_past_its_deadline_never_prefills(no_prefill):
+    import time
+
+    verifier, events = _verifier(bigram_target(0)), []
+    verifier.decode(_vanilla(expires_at=time.time() - 1), events.append)
+    assert [(e["type"], e["status"], e["code"]) for e in events] == [("error", 504, "timeout")]
+    assert verifier.info()["outcomes"] == {"timeout_before_prefill": 1}
+
+
+def test_an_internal_error_in_the_verifier_is_logged_not_sent(monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    target = bigram_target(0)
+    monkeypatch.setattr(target, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(SECRET)))
+    target.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
+    verifier, events = _verifier(target), []
+    verifier.decode(_vanilla(), events.append)
+    assert events[-1] == {"type": "error", "status": 500, "message": "internal error", "param": None, "code": None,
+                          "error_type": "server_error"}
+    assert any("rq-1" in r.getMessage() and r.exc_info and SECRET in str(r.exc_info[1]) for r in caplog.records)
+    assert verifier.info()["outcomes"] == {"failed": 1}
+
+
+def test_closing_the_stream_stops_decoding_within_a_step_before_generate_returns(monkeypatch):
+    """A hung-up client's stream is closed: the decode loop stops at its next step, and ``generate``
+    returns only after it stopped, so the slot it frees is free (``active`` 0 as soon as it returns)."""
+    from taps_ray.serving.verifier import RemoteStrategy
+
+    target = bigram_target(0)
+    target.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    steps, at_close = [0], []
+    propose = RemoteStrategy.propose
+
+    def slow_propose(self, state):
+        steps[0] += 1
+        import time
+        time.sleep(0.02)
+        return propose(self, state)
+
+    monkeypatch.setattr(RemoteStrategy, "propose", slow_propose)
+    verifier = _verifier(target)
+
+    async def main():
+        stream = verifier.generate(_vanilla(max_tokens=400))
+        seen = [await stream.__anext__() for _ in range(3)]
+        at_close.append(steps[0])
+        await stream.aclose()
+        return seen, verifier.active, dict(verifier.counts)
+
+    seen, active, outcomes = asyncio.run(main())
+    assert seen[0]["type"] == "start" and seen[1]["type"] == "delta"
+    assert active == 0 and outcomes == {"cancelled": 1} and verifier.waiting == 0
+    assert steps[0] <= at_close[0] + 1, "decoding went on after the stream was closed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_verifier_refusal_before_decoding_is_its_4xx_naming_the_field(serve_app, stream):
+    call = serve_app()
+    scripted(call, {"type": "error", "status": 400, "message": "the prompt has 9000 tokens; at most 2047 fit",
+                    "param": "prompt", "code": "context_length_exceeded", "error_type": "invalid_request_error"})
+    error = assert_error(call("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stream": stream}), 400,
+                         "prompt")
+    assert error["message"].startswith("prompt: the prompt has 9000 tokens") and error["code"] == "context_length_exceeded"

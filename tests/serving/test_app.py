@@ -5,7 +5,6 @@ hot swaps, a killed drafter replica, metrics. One application for the whole modu
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -20,6 +19,8 @@ from taps_ray.config import TreeConfig, load_config
 from taps_ray.serving.app import application, drafter_deployment_name
 from taps_ray.spec.decoder import generate, load_drafter
 from taps_ray.spec.protocol import SingleStrategy
+from tests.serving.helpers import free_port as _free_port
+from tests.serving.helpers import metric as _metric
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +36,6 @@ PROMPTS = [
     "What is the capital of France?",
     "Count from one to five.",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -278,11 +273,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sessions(server):
         assert time.monotonic() < deadline, f"cancelled request still holds sessions {sessions} / running {running}"
         time.sleep(0.5)
     assert _metric(requests.get(f"{server}/metrics", timeout=30).text, "taps_request_success_total") == finished
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def test_metrics_count_drafts_routes_and_skips(server, client):

@@ -81,3 +81,20 @@ def test_cluster_yaml_validates_against_the_autoscaler_schema():
     assert gpu and raw["head_node_type"] in raw["available_node_types"]
     assert raw["file_mounts"] == {"~/taps_ray": "."}
     assert any("pip install" in c and "~/taps_ray" in c for c in raw["setup_commands"])
+
+
+def test_queue_limits_reach_the_deployments():
+    """The verifier's slots and queue are the config's, its refusals 429 with Retry-After; the ingress
+    has room for all of them and its probes."""
+    from taps_ray.serving.app import INGRESS_HEADROOM
+
+    cfg = AppArgs(experiment={"serve": {"drafters": {"a": None}, "max_concurrent_requests": 3,
+                                        "max_queued_requests": 5, "retry_after_s": 2.5}}).load()
+    ingress = application(cfg)._bound_deployment
+    verifier = ingress.init_args[0]._bound_deployment
+    assert (verifier.name, verifier.max_ongoing_requests, verifier.max_queued_requests) == ("Verifier", 3, 5)
+    assert verifier.backpressure_config.status_code == 429 and verifier.backpressure_config.retry_after_s == 2.5
+    assert ingress.max_ongoing_requests == ingress.max_queued_requests == 3 + 5 + INGRESS_HEADROOM
+    for bad in ({"max_queued_requests": 0}, {"retry_after_s": 0}, {"retry_after_s": float("inf")}):
+        with pytest.raises(ValueError):
+            AppArgs(experiment={"serve": {"drafters": {"a": None}, **bad}}).load()
