@@ -31,7 +31,7 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
-from taps_ray.spec.decoder import generate
+from taps_ray.spec.decoder import generate, prompt_ids
 from taps_ray.spec.protocol import SingleStrategy
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -218,7 +218,7 @@ def benchmark_prompts(target: TargetModel, benchmark: str, limit: int, seed: int
     from taps_ray.data.benchmarks import load_benchmark
 
     questions = load_benchmark(benchmark, limit=limit, seed=seed, exclude=exclude)
-    return [target.encode_chat([{"role": "user", "content": q.turns[0]}])[0] for q in questions]
+    return [prompt_ids(target, q.turns[0]) for q in questions]
 
 
 def drafter_tau(target: TargetModel, drafter: DraftHead, tree: TreeConfig, benchmark: str, limit: int,

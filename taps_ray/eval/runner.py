@@ -56,7 +56,7 @@ from taps_ray.runstate import (
 )
 from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
-from taps_ray.spec.decoder import GenerationResult, generate, load_drafter
+from taps_ray.spec.decoder import GenerationResult, generate, load_drafter, prompt_ids
 from taps_ray.spec.strategy import parse_strategy
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,8 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
 
 def conversation_ids(target: TargetModel, turns: list[str], answers: list[GenerationResult]) -> torch.Tensor:
     """Prompt ids [T] for the next turn: the chat template over the user ``turns`` so far with the
-    earlier ``answers``' texts between them. EvalError for a target without a tokenizer."""
+    earlier ``answers``' texts between them (:func:`taps_ray.spec.decoder.prompt_ids`, the one prompt
+    path). EvalError for a target without a tokenizer."""
     if target.tokenizer is None:
         raise EvalError(f"target {target.name!r} has no tokenizer: evaluation asks benchmark questions as text")
     messages = []
@@ -227,7 +228,7 @@ def conversation_ids(target: TargetModel, turns: list[str], answers: list[Genera
         messages.append({"role": "user", "content": text})
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i].text or ""})
-    return target.encode_chat(messages)[0]
+    return prompt_ids(target, messages)
 
 
 def sampling_seed(question: BenchmarkQuestion, turn: int, base: int) -> int:
