@@ -311,6 +311,22 @@ def _num_actors(cfg: ExperimentConfig) -> int:
     return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
+def regeneration_prompt(conversation: list[dict]) -> list[dict]:
+    """The turns the target answers when a conversation is regenerated: its first system/user turns."""
+    return [m for m in conversation if m["role"] != "assistant"][:2]
+
+
+def drop_prompts_without_room(tokenizer, conversations: list[list[dict]], max_len: int) -> tuple[list[list[dict]], int]:
+    """``conversations`` whose regeneration prompt leaves room for a response within ``max_len``
+    tokens, and how many were dropped. A dropped one could add no assistant token to a feature row
+    (its response would be truncated away), so it is not worth a generation."""
+    texts = [tokenizer.apply_chat_template(regeneration_prompt(c), tokenize=False, add_generation_prompt=True)
+             for c in conversations]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    kept = [c for c, n in zip(conversations, lengths, strict=True) if n < max_len]
+    return kept, len(conversations) - len(kept)
+
+
 def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], target, label: str = "") -> list[list[dict]]:
     """Each conversation's prompt (its first system/user turns) answered by the target.
 
@@ -321,7 +337,7 @@ def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], target, 
     from taps_ray.data.regeneration import ResponseStore, prompt_key
 
     regen = cfg.data.features.regeneration
-    prompts = [[m for m in conv if m["role"] != "assistant"][:2] for conv in conversations]
+    prompts = [regeneration_prompt(conv) for conv in conversations]
     keys = [prompt_key(p) for p in prompts]
     store = ResponseStore.open(target.fingerprint.to_dict(), f"{target.device.type}:{target.describe()['dtype']}", regen)
     missing = sorted({k: i for i, k in enumerate(keys) if store.get(k) is None}.values(),
@@ -397,12 +413,15 @@ def _prepare_dataset(cfg: ExperimentConfig, name: str, target, final: Path, fing
     source = load_dataset_alternatives(cfg.data.datasets[name])
     conversations = source.conversations
     regenerated = 0
-    if source.prompt_only and conversations:
-        log.info("%s: generating %d responses with the target (self-distillation)", name, len(conversations))
-        conversations = _regenerate(cfg, conversations, target, name)
-        regenerated = len(conversations)
     max_len = cfg.data.features.max_len
     skipped = dict(getattr(source, "skipped", {}) or {})
+    if source.prompt_only and conversations:
+        conversations, skipped["prompt_fills_max_len"] = drop_prompts_without_room(target.tokenizer, conversations,
+                                                                                    max_len)
+        log.info("%s: generating %d responses with the target (self-distillation); %d prompts of max_len=%d tokens "
+                 "or more left out", name, len(conversations), skipped["prompt_fills_max_len"], max_len)
+        conversations = _regenerate(cfg, conversations, target, name)
+        regenerated = len(conversations)
     rows, hashes, truncated, no_loss = [], [], 0, 0
     for conv in conversations:
         tc = tokenize_conversation(target.tokenizer, conv, max_len)

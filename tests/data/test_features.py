@@ -144,7 +144,8 @@ def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, 
     monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
     monkeypatch.setattr(regeneration, "regenerations_root", lambda: tmp_path / "regenerations")
     data = tmp_path / "problems.jsonl"
-    _write_jsonl(data, [{"problem": "What is 3 + 4?"}, {"problem": "Name a prime number."}])
+    too_long = "Add these numbers: " + " + ".join(str(n) for n in range(100))
+    _write_jsonl(data, [{"problem": "What is 3 + 4?"}, {"problem": too_long}, {"problem": "Name a prime number."}])
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(
         "data:\n  datasets:\n    math:\n      domain: math\n"
@@ -154,6 +155,7 @@ def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, 
     cfg = load_config(cfg_path)
     result = prepare_features(cfg, target=embedded_target)[0]
     assert result.regenerated == 2 and result.rows == 2
+    assert result.skipped["prompt_fills_max_len"] == 1
     tok = embedded_target.tokenizer
     rows = load_feature_set(cfg, "math", embedded_target.fingerprint.to_dict()).read_rows()
     for row in rows:
