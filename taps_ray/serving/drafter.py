@@ -6,6 +6,12 @@ that does not hold the pairs up to ``offset`` (a new replica, a reaped or lost s
 ``{"need": held}`` and the verifier resends from there, so state is rebuilt exactly; pairs it
 already holds (a late call that did complete) are skipped. Sessions are freed by ``end`` or after
 ``ttl_s`` idle seconds.
+
+Routed and budget-merged requests compare the trees of several drafters, so the verifier sends the
+union of their draft vocabularies (``support``, see :func:`taps_ray.spec.compose.union_support`) with
+the call that opens a session (offset 0); the session drafts every tree over it, as the in-process
+strategies do. A drafter whose vocabulary the support misses (swapped since the verifier asked)
+answers ``{"unsupported": message}`` and opens no session.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class _Session:
     tree_at: int = -1
     last_used: float = field(default_factory=time.monotonic)
     last_tree: DraftTree | None = None
+    support: torch.Tensor | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -71,9 +78,21 @@ class DraftSessions:
         """Draft new sessions with ``drafter``; running sessions keep theirs."""
         self.drafter = drafter
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> dict:
+    def vocabulary(self) -> torch.Tensor | None:
+        """The draft vocabulary new sessions draft with: sorted target ids [V_draft] on the CPU, None for
+        the whole target vocabulary."""
+        ids = self.drafter.draft_to_target
+        return None if ids is None else ids.sort().values.cpu()
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                support: torch.Tensor | None = None) -> dict:
         """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
         request ``rid`` and draft a tree rooted at the last token.
+
+        ``support`` (sorted target ids containing the draft vocabulary; None: the draft vocabulary) is
+        read when the call opens the session (``offset`` 0): the session's trees are drafted over it
+        (:func:`~taps_ray.spec.tree.draft_tree`); ``{"unsupported": message}`` (no session) when it misses
+        a draft id.
 
         Returns ``{"tree": DraftTree, "held": pairs held, "compute_s": seconds spent adding the pairs and
         drafting}``; ``{"need": held}`` when the session holds
@@ -89,7 +108,12 @@ class DraftSessions:
                 if offset != 0:
                     self.resends += 1
                     return {"need": 0}
-                session = self._sessions[rid] = _Session(DrafterState(self.drafter))
+                state = DrafterState(self.drafter)
+                try:
+                    state.support_rows(self.target, support)
+                except ValueError as err:
+                    return {"unsupported": str(err)}
+                session = self._sessions[rid] = _Session(state, support=support)
                 self.opened += 1
             session.wanted = max(session.wanted, upto)
         with session.lock:
@@ -106,7 +130,8 @@ class DraftSessions:
                 if upto < session.wanted or upto < session.held:
                     return {"superseded": True, "held": session.held}
                 if session.tree_at != upto:
-                    session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree)
+                    session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree,
+                                                   session.support)
                     session.tree_at = upto
             except Exception:
                 self.end(rid)
@@ -181,13 +206,17 @@ class Drafter:
         self.fault = user_config.get("fault")
         self.delay_s = float(user_config.get("delay_s") or 0.0)
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> dict:
+    def vocabulary(self) -> torch.Tensor | None:
+        return self.sessions.vocabulary()
+
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                support: torch.Tensor | None = None) -> dict:
         if self.delay_s:
             time.sleep(self.delay_s)
         faults.drafter_fault(self.fault, self.name)
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        return self.sessions.propose(rid, offset, tokens, features)
+        return self.sessions.propose(rid, offset, tokens, features, support)
 
     def end(self, rid: str) -> bool:
         return self.sessions.end(rid)

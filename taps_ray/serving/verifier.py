@@ -7,6 +7,12 @@ costs about one drafter's latency), composes the trees that arrived (single / ro
 returns the tree to verify, or None (decode one token plainly) when no drafter answered in time.
 A drafter that keeps failing backs off for a growing number of steps. ``advance`` records the
 accepted pairs and streams the new tokens out; the output is the target's either way.
+
+Routed and merged requests draft every tree over one ``support``, the union of the plan's draft
+vocabularies (:func:`plan_support`; None when they share one), as the in-process strategies do, so the
+routing signals and budget scores compare and the served trees equal the in-process ones. The
+:class:`Verifier` computes it once per set of drafters and sends it with the call that opens each
+drafting session.
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ from taps_ray.serving.drafter import rss_bytes
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.spec import stats
-from taps_ray.spec.compose import RequestRoute, compose_trees
+from taps_ray.spec.compose import RequestRoute, compose_trees, union_support
 from taps_ray.spec.decoder import check_sampling, generate
 from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.stats import StepRecord
-from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.tree import DraftTree, same_support
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,10 @@ class Reply(Protocol):
 class DrafterClient(Protocol):
     """A drafter as the verifier sees it (a deployment handle, or a local object in tests)."""
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> Reply: ...
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                support: torch.Tensor | None = None) -> Reply: ...
+
+    def vocabulary(self) -> Reply: ...
 
     def end(self, rid: str) -> None: ...
 
@@ -59,8 +68,12 @@ class HandleClient:
     def __init__(self, handle):
         self.handle = handle
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> Reply:
-        return _HandleReply(self.handle.propose.remote(rid, offset, tokens, features))
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                support: torch.Tensor | None = None) -> Reply:
+        return _HandleReply(self.handle.propose.remote(rid, offset, tokens, features, support))
+
+    def vocabulary(self) -> Reply:
+        return _HandleReply(self.handle.vocabulary.remote())
 
     def end(self, rid: str) -> None:
         self.handle.end.remote(rid)
@@ -97,6 +110,43 @@ class StepInfo:
     compute_s: float = 0.0
 
 
+def needs_support(plan: Plan) -> bool:
+    """Whether ``plan`` drafts over the union of its drafters' vocabularies: routed and merged plans of
+    two or more drafters, as :class:`~taps_ray.spec.compose.RoutedStrategy` / ``MergedStrategy`` do."""
+    return plan.kind in ("routed", "merged") and len(plan.drafters) > 1
+
+
+def plan_support(plan: Plan, clients: dict[str, DrafterClient], vocab_size: int,
+                 timeout_s: float) -> tuple[torch.Tensor | None, bool]:
+    """``(support, complete)``: the support ``plan``'s trees are drafted over (None: each drafter's own
+    vocabulary, for plans that compare no scores or drafters that share one vocabulary), from the draft
+    vocabularies the drafters report within ``timeout_s`` (asked in parallel). ``complete`` is False
+    when a drafter did not answer: the support then covers only those that did (a drafter it misses
+    answers ``unsupported`` and is skipped), and should not be kept."""
+    if not needs_support(plan):
+        return None, True
+    deadline = time.monotonic() + timeout_s
+    pending, vocabularies = {}, []
+    for name in plan.drafters:
+        try:
+            pending[name] = clients[name].vocabulary()
+        except Exception as err:
+            log.warning("drafter %s: asking its draft vocabulary failed: %r", name, err)
+    for name, reply in pending.items():
+        try:
+            vocabularies.append(reply.result(deadline - time.monotonic()))
+        except Exception as err:
+            log.warning("drafter %s: asking its draft vocabulary failed: %r", name, err)
+    if not vocabularies:
+        return None, False
+    support = union_support(vocabularies, vocab_size)
+    if len(vocabularies) == len(plan.drafters):
+        return support, True
+    if support is None:  # the drafters that answered share one vocabulary: name it, the others may differ
+        support = torch.arange(vocab_size) if vocabularies[0] is None else vocabularies[0].sort().values
+    return support, False
+
+
 class RemoteStrategy:
     """A :class:`~taps_ray.spec.protocol.Strategy` whose drafters live elsewhere (see module docs).
 
@@ -105,13 +155,19 @@ class RemoteStrategy:
     ``cancel`` / ``expires`` (monotonic time) stop the loop with reason ``cancelled`` / ``timeout``.
     ``lookup`` (its ``lookup_*`` fields; None: none) grafts prompt-lookup chains onto the composed tree,
     or proposes the chain alone when no drafter answered (:mod:`taps_ray.spec.lookup`).
+    ``support`` (:func:`plan_support`): the target ids every drafting session of this request drafts
+    over (sent with the call that opens a session); a drafter that cannot draft over it, or answers a
+    tree over another support, is skipped (``vocabulary``).
     """
 
     def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
                  total_tokens: int, on_tokens: Callable[[list[int]], None] | None = None,
                  cancel: threading.Event | None = None, expires: float | None = None,
-                 probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None):
+                 probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None,
+                 support: torch.Tensor | None = None):
         self.name = plan.name
+        self.support = support
+        self._recorded = support
         self.lookup = lookup or TreeConfig(lookup_tokens=0)
         self.rid = rid
         self.plan = plan
@@ -137,6 +193,8 @@ class RemoteStrategy:
 
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self.device = target.device
+        if self.support is not None and self.support.numel() == target.vocab_size:
+            self._recorded = None  # the tree records the whole target vocabulary as None
         n = tokens.numel()
         self._tokens = torch.empty(max(2 * n, 64), dtype=torch.long)
         self._features = torch.empty(self._tokens.numel(), features.shape[-1], dtype=features.dtype)
@@ -162,6 +220,7 @@ class RemoteStrategy:
             if got[name].prefix_len != state.prefix_len or int(got[name].tokens[0]) != root:
                 self._skip(info, name, "stale")
                 del got[name]
+        self._drop_other_supports(got, info)
         if not got:
             return graft_lookup(None, state.tokens, self.lookup)
         tree, meta = compose_trees(self.plan.spec, [got.get(n) for n in self.names], self.names, self.total_tokens)
@@ -173,6 +232,23 @@ class RemoteStrategy:
         info.tree_size = tree.size
         tree.meta = {**tree.meta, **meta, "answered": list(got)}
         return graft_lookup(tree.to(self.device), state.tokens, self.lookup)
+
+    def _drop_other_supports(self, got: dict[str, DraftTree], info: StepInfo) -> None:
+        """Skip (``vocabulary``) the trees not drafted over this request's support, so composition never
+        compares signals over different supports. Without a support (none was needed, or no drafter
+        reported its vocabulary in time), plans that compare signals keep the trees over the support of
+        the first drafter that answered."""
+        if self.support is not None:
+            expected = self._recorded
+        elif self.plan.kind == "routed" or (self.plan.kind == "merged" and self.plan.spec.merge == "budget"):
+            first = next((n for n in self.names if n in got), None)
+            expected = got[first].support if first is not None else None
+        else:
+            return
+        for name in list(got):
+            if not same_support(got[name].support, expected):
+                self._skip(info, name, "vocabulary")
+                del got[name]
 
     def _decide(self, signals: torch.Tensor) -> str | None:
         """Feed a probe step's signals to the request route; once it decides (and never rechecks),
@@ -231,7 +307,8 @@ class RemoteStrategy:
         self.contacted.add(name)
         end = self.length
         return self.clients[name].propose(self.rid, offset, self._tokens[offset:end].clone(),
-                                          self._features[offset:end].clone())
+                                          self._features[offset:end].clone(),
+                                          self.support if offset == 0 else None)
 
     def _gather(self, names: list[str], info: StepInfo) -> dict[str, DraftTree]:
         deadline = time.monotonic() + self.deadline_s
@@ -262,6 +339,8 @@ class RemoteStrategy:
                             self._skip(info, name, "error", err)
                     else:
                         self._skip(info, name, "resync")
+                elif "unsupported" in answer:
+                    self._skip(info, name, "vocabulary", answer["unsupported"])
                 elif "tree" in answer:
                     self.sent[name] = answer["held"]
                     self.failures[name] = 0
@@ -428,6 +507,21 @@ class Verifier:
         self.waiting = 0
         self.counts: Counter = Counter()
         self._active_lock = threading.Lock()
+        self._supports: dict[frozenset[str], torch.Tensor | None] = {}
+
+    def _support(self, plan: Plan, timeout_s: float) -> torch.Tensor | None:
+        """The drafting support of ``plan`` (:func:`plan_support`), computed once per set of drafters
+        (kept only when every drafter reported its vocabulary; dropped by :meth:`_decode` when one
+        could not draft over it, e.g. after a swap to another vocabulary)."""
+        if not needs_support(plan):
+            return None
+        key = frozenset(plan.drafters)
+        if key in self._supports:
+            return self._supports[key]
+        support, complete = plan_support(plan, self.clients, self.target.vocab_size, timeout_s)
+        if complete:
+            self._supports[key] = support
+        return support
 
     def info(self) -> dict:
         """The target, its context length, the drafters, this replica's pid and resident memory; ``active``:
@@ -536,7 +630,7 @@ class Verifier:
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, clients, deadline, self.tree.total_tokens, on_tokens,
                                   cancel, expires, self.cfg.route_probe_steps, self.cfg.route_recheck_every,
-                                  self.tree)
+                                  self.tree, self._support(request.plan, deadline))
         start = time.perf_counter()
         result, stopped = None, None
         try:
@@ -545,6 +639,8 @@ class Verifier:
             stopped = stop.reason
         finally:
             strategy.close()
+            if any("vocabulary" in counts for counts in strategy.skips.values()):
+                self._supports.pop(frozenset(request.plan.drafters), None)
         if stopped == "timeout":
             raise RequestError(f"request timed out after {timeout:g} s", None, status=504, type="timeout_error",
                                code="timeout")

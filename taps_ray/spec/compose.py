@@ -71,14 +71,20 @@ def common_support(drafters: Sequence[DraftHead]) -> torch.Tensor | None:
     """The sorted union [S] of the drafters' draft vocabularies (target ids; a drafter without one brings
     the whole target vocabulary), or None when all drafters share one draft vocabulary (their scores
     already compare)."""
-    vocabularies = [d.draft_to_target for d in drafters]
+    return union_support([d.draft_to_target for d in drafters], drafters[0].config.vocab_size)
+
+
+def union_support(vocabularies: Sequence[torch.Tensor | None], vocab_size: int) -> torch.Tensor | None:
+    """:func:`common_support` from the draft vocabularies themselves (``draft_to_target`` [V_draft] target
+    ids, None: the whole target vocabulary of ``vocab_size`` ids), for callers that do not hold the
+    drafters (the serving verifier)."""
     first = vocabularies[0]
     if all(v is None for v in vocabularies) or (
             first is not None and all(v is not None and torch.equal(v.sort().values, first.sort().values)
                                       for v in vocabularies[1:])):
         return None
     if any(v is None for v in vocabularies):
-        return torch.arange(drafters[0].config.vocab_size)
+        return torch.arange(vocab_size)
     return torch.cat([v.cpu() for v in vocabularies]).unique()
 
 

@@ -41,7 +41,8 @@ class LocalClient:
         self.lock = threading.Lock()
         self.ended: list[str] = []
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor) -> LocalReply:
+    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                support: torch.Tensor | None = None) -> LocalReply:
         with self.lock:
             index = self.calls
             self.calls += 1
@@ -52,9 +53,12 @@ class LocalClient:
                 time.sleep(self.delay_s)
             if index in self.fail:
                 raise RuntimeError(f"injected failure on call {index}")
-            return replica.propose(rid, offset, tokens, features)
+            return replica.propose(rid, offset, tokens, features, support)
 
         return LocalReply(POOL.submit(call))
+
+    def vocabulary(self) -> LocalReply:
+        return LocalReply(POOL.submit(self.replicas[0].vocabulary))
 
     def end(self, rid: str) -> None:
         self.ended.append(rid)

@@ -14,7 +14,14 @@ from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.verifier import RemoteStrategy, StopGeneration, TextStream, summarize
+from taps_ray.serving.verifier import (
+    RemoteStrategy,
+    StopGeneration,
+    TextStream,
+    Verifier,
+    plan_support,
+    summarize,
+)
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
@@ -45,16 +52,42 @@ def drafters(bigram):
             "noise": sharp_drafter(bigram, 7)}
 
 
+@pytest.fixture(scope="module")
+def thirds(bigram):
+    """Specialists on ids = 0 and 1 (mod 3): different vocabularies whose union is not the whole vocabulary."""
+    ids = torch.arange(bigram.vocab_size)
+    return {"zero": oracle_drafter(bigram, ids[ids % 3 == 0]), "one": oracle_drafter(bigram, ids[ids % 3 == 1])}
+
+
 def serve_cfg(names) -> ServeConfig:
     return ServeConfig(drafters={n: None for n in names})
 
 
 def remote(bigram, drafters: dict, strategy: str, replicas: int = 1, rid: str = "r", deadline_s: float = 10.0,
-           **client_kwargs) -> tuple[RemoteStrategy, dict[str, LocalClient]]:
+           cls=RemoteStrategy, **client_kwargs) -> tuple[RemoteStrategy, dict[str, LocalClient]]:
+    """A remote strategy over in-process drafter sessions, drafting over the support the verifier sends."""
     clients = {name: LocalClient([DraftSessions(bigram, d, TREE) for _ in range(replicas)], **client_kwargs)
                for name, d in drafters.items()}
     plan = resolve_plan(strategy, list(drafters), serve_cfg(drafters))
-    return RemoteStrategy(rid, plan, clients, deadline_s, TREE.total_tokens), clients
+    support, _ = plan_support(plan, clients, bigram.vocab_size, 10.0)
+    return cls(rid, plan, clients, deadline_s, TREE.total_tokens, support=support), clients
+
+
+class Recording:
+    """Any strategy, keeping every tree it proposes by root position."""
+
+    def __init__(self, strategy):
+        self.strategy, self.name, self.trees = strategy, strategy.name, {}
+
+    def start(self, target, tokens, features):
+        self.strategy.start(target, tokens, features)
+
+    def propose(self, state):
+        tree = self.trees[state.prefix_len] = self.strategy.propose(state)
+        return tree
+
+    def advance(self, tokens, features):
+        self.strategy.advance(tokens, features)
 
 
 class RecordingRemote(RemoteStrategy):
@@ -101,14 +134,28 @@ def test_remote_single_proposes_the_in_process_trees(bigram, drafters, replicas)
 
 @pytest.mark.parametrize("name", ["routed:confidence", "routed:entropy", "routed:confidence:request", "merged:union",
                                   "merged:budget"])
-def test_remote_composition_equals_in_process_compose(bigram, drafters, name):
+@pytest.mark.parametrize("team", ["drafters", "thirds"])
+def test_remote_composition_equals_in_process_compose(request, bigram, team, name):
+    """Greedy, float32: the same trees (the drafting support included), decisions and output as the
+    in-process strategy, for drafters of different vocabularies (even / odd / whole, whose union is the
+    whole vocabulary, and 0 / 1 mod 3, whose union is not)."""
+    drafters = request.getfixturevalue(team)
     prompt = random_prompt(bigram, 6, 2)
-    expected = generate(bigram, prompt, build_strategy(name, drafters, TREE), max_new_tokens=NEW)
-    strategy, _ = remote(bigram, drafters, name)
+    reference = Recording(build_strategy(name, drafters, TREE))
+    expected = generate(bigram, prompt, reference, max_new_tokens=NEW)
+    strategy, _ = remote(bigram, drafters, name, cls=RecordingRemote)
+    if team == "thirds":
+        ids = torch.arange(bigram.vocab_size)
+        assert torch.equal(strategy.support, ids[ids % 3 < 2]), "the union of the two vocabularies"
     result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
     assert result.token_ids == expected.token_ids
     assert result.accept_lengths == expected.accept_lengths
     assert [s.tree_size for s in result.steps] == [s.tree_size for s in expected.steps]
+    assert reference.trees.keys() == strategy.trees.keys()
+    for prefix, tree in strategy.trees.items():
+        assert same_tree(reference.trees[prefix], tree) and torch.equal(reference.trees[prefix].entropy, tree.entropy)
+        mine, theirs = tree.support, reference.trees[prefix].support
+        assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs))
     for mine, theirs in zip(result.steps, expected.steps):
         for key in ("route", "decision", "probe", "union_size", "verified_size"):
             assert mine.meta.get(key) == theirs.meta.get(key), key
@@ -116,6 +163,111 @@ def test_remote_composition_equals_in_process_compose(bigram, drafters, name):
     assert summary["steps"] == len(result.steps) and summary["accepted_tokens"] == sum(result.accept_lengths)
     if name.startswith("routed"):
         assert sum(summary["route_decisions"].values()) == len(result.steps)
+
+
+class CountingClient(LocalClient):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked = 0
+
+    def vocabulary(self):
+        self.asked += 1
+        return super().vocabulary()
+
+
+def test_the_verifier_drafts_over_one_support_per_set_of_drafters(bigram, thirds, monkeypatch):
+    """Served greedy output equals the in-process strategy's for two drafters of different vocabularies;
+    the verifier asks their vocabularies once per set of drafters (any order, any composing plan), and
+    asks again after a drafter swapped to a vocabulary outside it (that request skips the drafter and
+    stays exact)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from taps_ray.serving.plan import DecodeRequest
+
+    monkeypatch.setattr(bigram, "tokenizer",
+                        SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids))))
+    sessions = {name: DraftSessions(bigram, d, TREE) for name, d in thirds.items()}
+    verifier = object.__new__(Verifier)
+    verifier.target, verifier.tree = bigram, TREE
+    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, draft_deadline_s=10.0)
+    verifier.clients = {name: CountingClient([s]) for name, s in sessions.items()}
+    verifier.pool = ThreadPoolExecutor(1)
+    verifier._init_counts()
+
+    def serve(strategy: str, order: list[str], seed: int) -> tuple[dict, list[int]]:
+        prompt = random_prompt(bigram, 6, seed)
+        plan = resolve_plan(strategy, order, verifier.cfg)
+        events = []
+        verifier.decode(DecodeRequest(rid=f"r{seed}", prompt=prompt.tolist(), plan=plan, max_tokens=NEW, raw=True,
+                                      prompt_param="prompt"), events.append)
+        assert events[-1]["type"] == "done", events[-1]
+        expected = generate(bigram, prompt, build_strategy(strategy, {n: thirds[n] for n in order}, TREE),
+                            max_new_tokens=NEW)
+        assert events[-1]["text"] == " ".join(map(str, expected.token_ids))
+        return events[-1]["taps"], expected.token_ids
+
+    taps, _ = serve("routed:confidence", ["zero", "one"], 1)
+    assert taps["drafted_steps"] == taps["steps"] and not taps["skipped"]
+    serve("merged:budget", ["one", "zero"], 2)
+    serve("routed:entropy", ["zero", "one"], 3)
+    assert [c.asked for c in verifier.clients.values()] == [1, 1]
+    ids = torch.arange(bigram.vocab_size)
+    sessions["one"].swap(oracle_drafter(bigram, ids[ids % 3 == 2]))
+    taps, _ = serve("routed:confidence", ["zero", "one"], 4)
+    assert taps["skipped"]["one"]["vocabulary"] >= 1 and "zero" not in taps["skipped"]
+    sessions["one"].swap(thirds["one"])
+    taps, _ = serve("routed:confidence", ["zero", "one"], 5)
+    assert not taps["skipped"] and [c.asked for c in verifier.clients.values()] == [2, 2]
+    verifier.pool.shutdown()
+
+
+@pytest.mark.parametrize("name", ["routed:confidence", "merged:budget"])
+def test_served_release_drafters_equal_the_in_process_strategy(embedded_target, name):
+    """The shipped release drafters (``release:math``, ``release:chat``: different draft vocabularies) on the
+    embedded target, greedy float32: the served routed / budget-merged output, routes and acceptance equal
+    the in-process strategy's."""
+    from taps_ray.spec.decoder import load_drafter
+
+    drafters = {n: load_drafter(embedded_target, f"release:{n}", 0) for n in ("math", "chat")}
+    assert not torch.equal(drafters["math"].draft_to_target.sort().values, drafters["chat"].draft_to_target.sort().values)
+    tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0)
+    messages = [{"role": "user", "content": "What is 7 times 8?"}]
+    expected = generate(embedded_target, messages, build_strategy(name, drafters, tree), max_new_tokens=16)
+    clients = {n: LocalClient([DraftSessions(embedded_target, d, tree)]) for n, d in drafters.items()}
+    plan = resolve_plan(name, list(drafters), serve_cfg(drafters))
+    support, complete = plan_support(plan, clients, embedded_target.vocab_size, 30.0)
+    assert complete and support is not None
+    strategy = RemoteStrategy("r", plan, clients, 30.0, tree.total_tokens, support=support)
+    result = generate(embedded_target, messages, strategy, max_new_tokens=16)
+    assert result.token_ids == expected.token_ids and result.accept_lengths == expected.accept_lengths
+    assert [s.meta.get("route") for s in result.steps] == [s.meta.get("route") for s in expected.steps]
+    assert not strategy.skips
+
+
+class MuteClient(LocalClient):
+    """Drafts, but never reports its vocabulary."""
+
+    def vocabulary(self):
+        raise RuntimeError("injected: no vocabulary")
+
+
+@pytest.mark.parametrize("mute", [["one"], ["zero", "one"]])
+def test_drafters_that_do_not_report_their_vocabulary_are_skipped_not_compared(bigram, thirds, mute):
+    """A support over the drafters that answered is incomplete (not kept); a drafter it misses answers
+    ``unsupported``; with no support at all, routing keeps the first answering drafter's support. Either
+    way no signals over different supports are compared and the output stays greedy."""
+    prompt = random_prompt(bigram, 6, 7)
+    expected = generate(bigram, prompt, max_new_tokens=NEW)
+    clients = {name: (MuteClient if name in mute else LocalClient)([DraftSessions(bigram, d, TREE)])
+               for name, d in thirds.items()}
+    plan = resolve_plan("routed:confidence", ["zero", "one"], serve_cfg(thirds))
+    support, complete = plan_support(plan, clients, bigram.vocab_size, 10.0)
+    assert not complete and (support is None) == (len(mute) == 2)
+    strategy = RemoteStrategy("r", plan, clients, 10.0, TREE.total_tokens, support=support)
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == expected.token_ids
+    assert set(strategy.skip_counts) == {"one"} and strategy.skip_counts["one"]["vocabulary"] >= 1
+    assert all(s.tree_size > 1 for s in result.steps), "the other drafter drafts every step"
 
 
 def test_a_stop_sequence_trims_the_appended_count_of_its_step(bigram, drafters):
@@ -199,7 +351,8 @@ def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
 
     def run(i: int) -> None:
         plan = resolve_plan(names[i], None if names[i] == "single" else ["even", "odd"], serve_cfg(["even", "odd"]))
-        strategy = RemoteStrategy(f"req-{i}", plan, clients, 10.0, TREE.total_tokens)
+        support, _ = plan_support(plan, clients, bigram.vocab_size, 10.0)
+        strategy = RemoteStrategy(f"req-{i}", plan, clients, 10.0, TREE.total_tokens, support=support)
         try:
             results[i] = generate(bigram, prompts[i], strategy, max_new_tokens=30)
         finally:
