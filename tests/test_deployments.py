@@ -109,12 +109,19 @@ def secret_env(group: dict, name: str) -> dict | None:
 # -- cluster.yaml ------------------------------------------------------------------------------------------------
 
 def test_cluster_yaml_passes_rays_cluster_schema():
+    """Ray's schema as written, and the launcher's own checks once it has filled in its defaults; the
+    repository is mounted where the setup commands install it from."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
     schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
     config = yaml.safe_load(CLUSTER_YAML.read_text())
     jsonschema.validate(config, schema)
+    validate_config(prepare_config(yaml.safe_load(CLUSTER_YAML.read_text())))
     commands = [c for key in ("initialization_commands", "setup_commands", "head_setup_commands",
                               "worker_setup_commands") for c in config.get(key) or []]
-    assert any("pip install" in c for c in commands)
+    repo = {remote for remote, local in config["file_mounts"].items() if local == "."}
+    installs = [shlex.split(c)[-1].replace("$HOME", "~") for c in commands if "pip install -e" in c]
+    assert repo and installs and set(installs) <= repo, f"installs {installs}, the repository is mounted at {repo}"
     for command in commands:
         assert not re.search(r"[\"']~", command), f"a quoted ~ is not expanded: {command}"
 
@@ -194,7 +201,9 @@ def test_serve_configs_validate():
 def test_rayjob_retries_with_resume_and_a_fresh_run_accepts_it(tmp_path):
     from taps_ray.train.launch import _prepare_outputs
 
-    spec = rayjob()["spec"]
+    job = rayjob()
+    spec = job["spec"]
+    assert job["kind"] == "RayJob" and spec["shutdownAfterJobFinishes"] is True
     assert spec["backoffLimit"] >= 1
     entrypoint = spec["entrypoint"]
     commands = taps_commands(entrypoint)

@@ -1,9 +1,8 @@
-"""Deployment artifacts: the Serve config, the KubeRay manifests and the cluster launcher config
-validate against Ray's own schemas and build the taps_ray application."""
+"""Deployment artifacts: the Serve configs validate against Serve's schema and build the taps_ray
+application; the builder's arguments and limits. (The RayJob and cluster.yaml are checked in
+tests/test_deployments.py.)"""
 
 from __future__ import annotations
-
-import shlex
 
 import pytest
 import yaml
@@ -12,8 +11,6 @@ from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
-from taps_ray.cli import build_parser
-from taps_ray.config import load_config
 from taps_ray.serving.app import AppArgs, application, build_app, drafter_deployment_name, drafter_user_config
 from tests.conftest import REPO
 
@@ -59,28 +56,6 @@ def test_rayservice_manifest_embeds_a_valid_serve_config():
     assert cluster["rayVersion"] == "2.60.0"
     workers = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
-
-
-def test_rayjob_runs_taps_train_on_an_existing_config():
-    manifest = yaml.safe_load((REPO / "deployments/rayjob-train.yaml").read_text())
-    assert manifest["kind"] == "RayJob" and manifest["spec"]["shutdownAfterJobFinishes"] is True
-    argv = shlex.split(manifest["spec"]["entrypoint"])
-    assert argv[:2] == ["taps", "train"]
-    args = build_parser().parse_args(argv[1:])
-    cfg = load_config(REPO / args.config, args.overrides)
-    assert cfg.output_dir == "/checkpoints/runs"
-    yaml.safe_load(manifest["spec"]["runtimeEnvYAML"])
-
-
-def test_cluster_yaml_validates_against_the_autoscaler_schema():
-    from ray.autoscaler._private.util import prepare_config, validate_config
-
-    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
-    validate_config(prepare_config(raw))
-    gpu = [t for t in raw["available_node_types"].values() if t.get("resources", {}).get("GPU")]
-    assert gpu and raw["head_node_type"] in raw["available_node_types"]
-    assert raw["file_mounts"] == {"~/taps_ray": "."}
-    assert any("pip install" in c and "~/taps_ray" in c for c in raw["setup_commands"])
 
 
 def test_queue_limits_reach_the_deployments():
