@@ -28,7 +28,8 @@ class UserError(Exception):
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="experiment YAML, e.g. configs/demo.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.features.max_len=512")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.features.max_len=512 "
+                                                     "(`taps config-help` lists every key)")
 
 
 def _load(args: argparse.Namespace):
@@ -415,6 +416,34 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+# -- config-help ---------------------------------------------------------------------------------
+
+def _add_config_help(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", nargs="?", default=None,
+                        help="only this dotted key and the keys under it, e.g. serve or tree.depth")
+    parser.add_argument("--sweep", action="store_true", help="the keys of sweep specs (tune/*.yaml)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="the whole reference as Markdown (`taps config-help --markdown > docs/CONFIG.md`)")
+
+
+def _run_config_help(args: argparse.Namespace) -> int:
+    from taps_ray.config_doc import documents, render_markdown, render_text, select
+
+    if args.markdown:
+        if args.key or args.sweep:
+            raise UserError("--markdown writes the whole reference; it takes no KEY or --sweep")
+        sys.stdout.write(render_markdown())
+        return 0
+    parts = documents()
+    keys = [k for _, _, part in (parts[1:] if args.sweep else parts[:1]) for k in part]
+    shown = select(keys, args.key)
+    if not shown:
+        top = sorted({k.key.split(".")[0].split("[")[0] for k in keys})
+        raise UserError(f"no key {args.key!r}; top-level keys: {', '.join(top)}")
+    sys.stdout.write(render_text(shown))
+    return 0
+
+
 # -- demo ----------------------------------------------------------------------------------------
 
 def _add_demo(parser: argparse.ArgumentParser) -> None:
@@ -443,6 +472,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative", _add_bench, _run_bench),
     "train": ("train drafter variants concurrently with Ray Train", _add_train, _run_train),
     "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)", _add_serve, _run_serve),
+    "config-help": ("every config key with its type, default and description (docs/CONFIG.md)",
+                    _add_config_help, _run_config_help),
     "sweep": ("Ray Tune sweep over data-mixture ratios or checkpoint-interpolation weights (tune/*.yaml)",
               _add_sweep, _run_sweep),
 }

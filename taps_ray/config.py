@@ -2,7 +2,11 @@
 
 Every section is a pydantic model with ``extra="forbid"``: an unknown key or a bad value is a
 :class:`ConfigError` naming the dotted key, the value and what is allowed. Configs load from
-YAML and take dotted overrides (``data.max_len=512``) whose values are parsed as YAML scalars.
+YAML and take dotted overrides (``data.features.max_len=512``) whose values are parsed as YAML.
+Every field carries a one-line ``description``: ``taps config-help`` prints them with each dotted
+key, type and default, and docs/CONFIG.md is that command's output. The module is over 500 lines
+because it is the whole experiment schema, one model per section with a description per field, kept
+in one place so that it reads as one reference.
 """
 
 from __future__ import annotations
@@ -23,19 +27,19 @@ class Strict(BaseModel):
 
 
 class TargetConfig(Strict):
-    """The frozen target LLM.
+    """The frozen target LLM every drafter is trained for and every decoding verifies with."""
 
-    ``model``: ``embedded:smollm2-135m`` (offline default), an HF hub id (``hf:`` prefix
-    optional), a local HF folder, or a ``.gguf`` file. ``device`` ``auto`` picks cuda when a GPU
-    is visible, else cpu; ``dtype`` ``auto`` picks bfloat16 on cuda and on a CPU with native bf16
-    (avx512_bf16 / amx_bf16), float32 elsewhere.
-    """
-
-    model: str = "embedded:smollm2-135m"
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_context: int | None = Field(default=None, ge=16)
-    threads: int | None = Field(default=None, ge=1)
+    model: str = Field(default="embedded:smollm2-135m", description=(
+        "embedded:smollm2-135m (offline default), an HF hub id (hf: prefix optional), a local HF folder or a "
+        ".gguf file"))
+    device: str = Field(default="auto", description=(
+        "auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:N or mps"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description=(
+        "auto: bfloat16 on cuda and on a CPU with native bf16 (avx512_bf16 / amx_bf16), float32 elsewhere"))
+    max_context: int | None = Field(default=None, ge=16, description=(
+        "cap on the target's context window in tokens (None: its max_position_embeddings)"))
+    threads: int | None = Field(default=None, ge=1, description=(
+        "torch threads of a CPU target in this process (None: torch's default)"))
 
     @field_validator("device")
     @classmethod
@@ -50,26 +54,26 @@ SourceKind = Literal["sharegpt", "gsm8k_train", "math_train", "gsm8k_test_split"
 
 
 class SourceSpec(Strict):
-    """One way of obtaining a training data source.
+    """One way of obtaining a training data source (see :mod:`taps_ray.data.sources` per kind)."""
 
-    kinds: ``sharegpt`` (``path`` to a ShareGPT JSON/JSONL, else the pinned wheel file),
-    ``gsm8k_train``/``math_train`` (``$TAPS_DATA_DIR/train/*.jsonl``, or ``path``),
-    ``gsm8k_test_split`` (prompt-only: the training pool of GSM8K test, ~75% by question hash, from
-    the benchmark loader; the reserved rest is never trained on), ``jsonl``
-    (a local JSON/JSONL of conversations or question/answer rows), ``hf`` (HF dataset ``name``,
-    ``subset``, ``split``), ``mathinstruct`` (HF TIGER-Lab/MathInstruct), ``reasoning_gym``
-    (offline generated math prompts; ``tasks`` names generators).
-    """
-
-    kind: SourceKind
-    path: str | None = None
-    name: str | None = None
-    subset: str | None = None
-    split: str = "train"
-    tasks: list[str] = Field(default_factory=lambda: ["basic_arithmetic", "chain_sum", "fraction_simplification"])
-    limit: int | None = Field(default=None, ge=1)
-    seed: int = 0
-    regenerate: bool = False
+    kind: SourceKind = Field(description=(
+        "sharegpt (path, else the pinned wheel file); gsm8k_train / math_train ($TAPS_DATA_DIR/train/*.jsonl or "
+        "path); gsm8k_test_split (prompt-only: the ~75% training pool of GSM8K test by question hash, the rest "
+        "is never trained on); jsonl (a local JSON/JSONL of conversations or question/answer rows); hf (HF "
+        "dataset name, subset, split); mathinstruct (HF TIGER-Lab/MathInstruct); reasoning_gym (offline "
+        "generated math prompts from tasks)"))
+    path: str | None = Field(default=None, description=(
+        "local JSON/JSONL file (needed by jsonl; optional for sharegpt, gsm8k_train, math_train)"))
+    name: str | None = Field(default=None, description="HF dataset id (needed by hf; mathinstruct's by default)")
+    subset: str | None = Field(default=None, description="HF dataset configuration (subset) name")
+    split: str = Field(default="train", description="HF dataset split")
+    tasks: list[str] = Field(default_factory=lambda: ["basic_arithmetic", "chain_sum", "fraction_simplification"],
+                             description="reasoning_gym generators the prompts are split over (not gsm_symbolic)")
+    limit: int | None = Field(default=None, ge=1, description=(
+        "keep a seeded subset of this many conversations (None: all; reasoning_gym: 1000 per task)"))
+    seed: int = Field(default=0, description="seed of the limit subset and of the reasoning_gym generators")
+    regenerate: bool = Field(default=False, description=(
+        "treat the source as prompt-only: the target answers its prompts (self-distillation)"))
 
     @model_validator(mode="after")
     def _needs(self) -> SourceSpec:
@@ -88,41 +92,52 @@ class SourceSpec(Strict):
 class DatasetConfig(Strict):
     """A named training dataset: alternatives tried in order, the first available wins."""
 
-    domain: str
-    alternatives: list[SourceSpec] = Field(min_length=1)
+    domain: str = Field(description="the task domain the dataset stands for (math, chat, ...)")
+    alternatives: list[SourceSpec] = Field(min_length=1, description=(
+        "sources tried in order; the first available one is used (the log says which)"))
 
 
 class RegenerationConfig(Strict):
     """Response regeneration by the target (self-distillation) for prompt-only sources."""
 
-    max_new_tokens: int = Field(default=192, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    batch_size: int = Field(default=16, ge=1)
-    seed: int = 0
+    max_new_tokens: int = Field(default=192, ge=1, description="longest answer the target writes per prompt")
+    temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature of the answers (0: greedy)")
+    batch_size: int = Field(default=16, ge=1, description=(
+        "prompts decoded together (throughput only: not part of the feature cache key)"))
+    seed: int = Field(default=0, description="sampling seed (offset by each batch's first row id)")
 
 
 class FeaturesConfig(Strict):
     """Teacher-forced target features written as Parquet shards."""
 
-    max_len: int = Field(default=384, ge=8)
-    batch_tokens: int = Field(default=4096, ge=64)
-    rows_per_shard: int = Field(default=256, ge=1)
-    num_actors: int | None = Field(default=None, ge=1)
-    regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig)
+    max_len: int = Field(default=384, ge=8, description="tokens per conversation; longer ones are cut")
+    batch_tokens: int = Field(default=4096, ge=64, description=(
+        "tokens per target forward batch (rows per batch: batch_tokens // max_len)"))
+    rows_per_shard: int = Field(default=256, ge=1, description="rows per Parquet shard")
+    num_actors: int | None = Field(default=None, ge=1, description=(
+        "Ray Data target actors (None: one per GPU, or one on CPU)"))
+    regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig, description=(
+        "how the target answers prompt-only sources"))
 
 
 class DataConfig(Strict):
-    datasets: dict[str, DatasetConfig] = Field(default_factory=dict)
-    features: FeaturesConfig = Field(default_factory=FeaturesConfig)
+    """Training datasets and the target features computed from them (``taps prepare``)."""
+
+    datasets: dict[str, DatasetConfig] = Field(default_factory=dict, description=(
+        "dataset name -> where its conversations come from"))
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig, description=(
+        "teacher-forced target features of the datasets"))
 
 
 class MixtureConfig(Strict):
     """Rows selected from cached features: by ``ratio`` of ``total`` rows, or absolute ``counts``."""
 
-    ratio: dict[str, float] | None = None
-    total: int | None = Field(default=None, ge=1)
-    counts: dict[str, int] | None = None
-    seed: int = 0
+    ratio: dict[str, float] | None = Field(default=None, description=(
+        "dataset -> share of the rows, each in [0, 1], summing to 1 (give ratio or counts)"))
+    total: int | None = Field(default=None, ge=1, description=(
+        "rows selected by ratio (None: as many as the pools allow)"))
+    counts: dict[str, int] | None = Field(default=None, description="dataset -> number of rows (give ratio or counts)")
+    seed: int = Field(default=0, description="seed of the row selection from each dataset's training pool")
 
     @model_validator(mode="after")
     def _one_way(self) -> MixtureConfig:
@@ -140,19 +155,20 @@ class MixtureConfig(Strict):
 
 
 class TreeConfig(Strict):
-    """EAGLE-2 dynamic draft tree: ``depth`` expansions after the first level, ``top_k`` branching,
-    ``total_tokens`` verified nodes including the root, plus a prompt-lookup chain (:mod:`taps_ray.spec.lookup`).
+    """EAGLE-2 dynamic draft tree plus a prompt-lookup chain (:mod:`taps_ray.spec.lookup`).
 
     Defaults are the CPU setting picked by the bf16 tree sweep with ``release:math`` in
     docs/BENCHMARKS.md (depth 2, 16 nodes, lookup 8: the fastest of depth 1-3 x 8-16 nodes x lookup
     0/8); the paper's GPU setting is depth 5, top_k 10, total_tokens 60 (configs/paper-llama3-8b.yaml)."""
 
-    depth: int = Field(default=2, ge=0)
-    top_k: int = Field(default=3, ge=1)
-    total_tokens: int = Field(default=16, ge=2)
-    lookup_tokens: int = Field(default=8, ge=0)    # prompt-lookup chain grafted onto each tree, at most this long (0: off)
-    lookup_ngram: int = Field(default=3, ge=1)     # longest context suffix matched for the lookup
-    lookup_min_ngram: int = Field(default=2, ge=1)  # shortest suffix matched (shorter matches copy too eagerly)
+    depth: int = Field(default=2, ge=0, description="expansions after the first level of the draft tree")
+    top_k: int = Field(default=3, ge=1, description="branching: children drafted per expanded node")
+    total_tokens: int = Field(default=16, ge=2, description="nodes verified per step, the root included")
+    lookup_tokens: int = Field(default=8, ge=0, description=(
+        "prompt-lookup chain grafted onto each tree, at most this long (0: off)"))
+    lookup_ngram: int = Field(default=3, ge=1, description="longest context suffix matched for the lookup")
+    lookup_min_ngram: int = Field(default=2, ge=1, description=(
+        "shortest suffix matched (shorter matches copy too eagerly)"))
 
     @model_validator(mode="after")
     def _ngram_range(self) -> TreeConfig:
@@ -163,36 +179,41 @@ class TreeConfig(Strict):
 
 
 class SamplingConfig(Strict):
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    """Default sampling: ``taps generate``'s (its flags override it), ``taps eval``'s ``top_p`` / ``top_k``
+    (temperatures come from ``eval.temperatures``) and the server's for requests that give none."""
+
+    temperature: float = Field(default=0.0, ge=0.0, description="0: greedy; > 0 samples (lossless at any value)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass (1: off)")
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens (0: off)")
+    seed: int | None = Field(default=None, description="sampling seed (None: unseeded)")
 
 
 class DrafterConfig(Strict):
     """Draft-head architecture knobs; sizes always come from the target."""
 
-    draft_vocab_size: int | None = Field(default=None, ge=2)
-    seed: int = 0
+    draft_vocab_size: int | None = Field(default=None, ge=2, description=(
+        "draft from the most frequent training tokens only (None: the target's whole vocabulary)"))
+    seed: int = Field(default=0, description="seed of a freshly initialised drafter")
 
 
 class ObjectiveConfig(Strict):
-    """Drafter training objective.
+    """Drafter training objective (:mod:`taps_ray.train.losses`); HASS reference recipe: stage 1
+    ``topk_weight`` 0, stage 2 ``topk_weight`` 1."""
 
-    ``noise``: input-feature noise during training, ``uniform`` = U(-noise_std/2, noise_std/2)
-    (U(-0.1, 0.1) by default), ``gaussian`` = N(0, noise_std^2). ``topk``/``topk_weight`` (w) and
-    ``hass_passes`` (n) apply to ``hass`` only; HASS reference recipe: stage 1 w=0, stage 2 w=1.
-    """
-
-    algorithm: Literal["eagle2", "hass"] = "eagle2"
-    feature_weight: float = Field(default=1.0, ge=0)
-    ce_weight: float = Field(default=0.1, ge=0)
-    noise: Literal["uniform", "gaussian", "none"] = "uniform"
-    noise_std: float = Field(default=0.2, ge=0)
-    topk: int = Field(default=10, ge=1)
-    topk_weight: float = Field(default=1.0, ge=0)
-    hass_passes: int = Field(default=3, ge=1, le=16)
-    hass_detach: bool = True
+    algorithm: Literal["eagle2", "hass"] = Field(default="eagle2", description=(
+        "eagle2 (one teacher-forced pass) or hass (harmonized multi-pass distillation)"))
+    feature_weight: float = Field(default=1.0, ge=0, description="weight of the SmoothL1 feature regression")
+    ce_weight: float = Field(default=0.1, ge=0, description="weight of the soft cross-entropy to the target")
+    noise: Literal["uniform", "gaussian", "none"] = Field(default="uniform", description=(
+        "input-feature noise in training: uniform = U(-noise_std/2, noise_std/2), gaussian = N(0, noise_std^2)"))
+    noise_std: float = Field(default=0.2, ge=0, description=(
+        "scale of the feature noise (the default uniform noise is U(-0.1, 0.1))"))
+    topk: int = Field(default=10, ge=1, description="hass only: K of the top-K distillation loss")
+    topk_weight: float = Field(default=1.0, ge=0, description="hass only: weight w of the top-K distillation loss")
+    hass_passes: int = Field(default=3, ge=1, le=16, description=(
+        "hass only: passes n, each feeding the drafter its own earlier features"))
+    hass_detach: bool = Field(default=True, description=(
+        "hass only: stop the gradient through earlier passes' features"))
 
     @property
     def passes(self) -> int:
@@ -200,57 +221,50 @@ class ObjectiveConfig(Strict):
 
 
 class Stage2Config(Strict):
-    """Second stage of the HASS recipe: ``epochs`` more epochs with top-K distillation weight
-    ``topk_weight`` and a fresh warmup + schedule peaking at ``lr`` (optimizer moments are kept)."""
+    """Second stage of the HASS recipe: more epochs with a fresh warmup + schedule (optimizer moments
+    are kept)."""
 
-    epochs: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-4, gt=0)
-    topk_weight: float = Field(default=1.0, ge=0)
+    epochs: int = Field(default=1, ge=1, description="epochs of stage 2, after the variant's train.epochs")
+    lr: float = Field(default=1e-4, gt=0, description="peak learning rate of stage 2's schedule")
+    topk_weight: float = Field(default=1.0, ge=0, description="top-K distillation weight in stage 2")
 
 
 class TrainConfig(Strict):
-    """Drafter training (``taps train``); a variant's ``train`` overrides single keys.
+    """Drafter training (``taps train``): AdamW (0.9, 0.95), linear warmup then a schedule, one Ray Train
+    run per variant; checkpoints every ``checkpoint_every`` steps and at each epoch end, held-out
+    metrics at each epoch end. A variant's ``train`` overrides single keys."""
 
-    Optimisation: ``batch_size`` rows per worker and step (right padded to the batch's longest row),
-    AdamW (0.9, 0.95) with ``weight_decay``, peak ``lr`` after ``warmup_steps`` linear warmup, then
-    ``schedule`` (cosine | linear to 0, or constant), gradient norm clipped to ``grad_clip``.
-    ``shuffle_buffer`` rows are shuffled together per epoch with a seeded order (``seed`` + epoch).
-    ``max_tokens`` crops each training row to its first tokens (None: as prepared).
-    ``vocab_source`` (with ``drafter.draft_vocab_size``): count token frequencies over the training
-    pools of all datasets (``datasets``: one shared vocabulary, so specialists stay averageable) or
-    over the variant's own mixture rows (``mixture``).
-    Checkpoints every ``checkpoint_every`` steps and at each epoch end. Held-out metrics at each
-    epoch end on ``heldout_rows`` rows per dataset (a seeded split, ``heldout_seed``, shared by
-    all variants), greedy unrolled to ``eval_depth`` draft positions.
-    Resources: ``num_workers`` DDP workers per variant, ``use_gpu`` (auto: when the cluster has
-    GPUs), ``threads`` torch threads per CPU worker (None: the cores split fairly over all
-    concurrent workers), ``max_failures`` restarts from the last checkpoint (-1: unlimited).
-    ``stage2`` (HASS variants only; EAGLE-2 variants train ``epochs``): the two-stage recipe, stage 1
-    runs ``epochs`` with the variant's objective (set ``objective.topk_weight: 0`` for the reference
-    recipe), stage 2 runs ``stage2.epochs`` more.
-    """
-
-    epochs: int = Field(default=2, ge=1)
-    batch_size: int = Field(default=4, ge=1)
-    lr: float = Field(default=3e-4, gt=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=0.5, gt=0)
-    shuffle_buffer: int = Field(default=4096, ge=1)
-    max_tokens: int | None = Field(default=None, ge=2)
-    vocab_source: Literal["datasets", "mixture"] = "datasets"
-    seed: int = 0
-    checkpoint_every: int = Field(default=50, ge=1)
-    log_every: int = Field(default=10, ge=1)
-    heldout_rows: int = Field(default=32, ge=1)
-    heldout_seed: int = 0
-    eval_depth: int = Field(default=4, ge=1)
-    num_workers: int = Field(default=1, ge=1)
-    use_gpu: bool | Literal["auto"] = "auto"
-    threads: int | None = Field(default=None, ge=1)
-    max_failures: int = Field(default=1, ge=-1)
-    stage2: Stage2Config | None = None
+    epochs: int = Field(default=2, ge=1, description="training epochs (stage 1 of a HASS variant with stage2)")
+    batch_size: int = Field(default=4, ge=1, description=(
+        "rows per worker and step (right padded to the batch's longest row)"))
+    lr: float = Field(default=3e-4, gt=0, description="peak AdamW learning rate, reached after warmup_steps")
+    warmup_steps: int = Field(default=0, ge=0, description="steps of linear warmup to lr")
+    schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description=(
+        "after warmup: cosine or linear decay to 0, or constant"))
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(default=0.5, gt=0, description="gradient norm clip")
+    shuffle_buffer: int = Field(default=4096, ge=1, description=(
+        "rows shuffled together per epoch, in a seeded order (seed + epoch)"))
+    max_tokens: int | None = Field(default=None, ge=2, description=(
+        "crop each training row to its first tokens (None: as prepared)"))
+    vocab_source: Literal["datasets", "mixture"] = Field(default="datasets", description=(
+        "with drafter.draft_vocab_size: count token frequencies over all datasets' training pools (one shared "
+        "vocabulary, so specialists stay averageable) or over the variant's own mixture rows"))
+    seed: int = Field(default=0, description="seed of the shuffle order")
+    checkpoint_every: int = Field(default=50, ge=1, description="steps between checkpoints (and at each epoch end)")
+    log_every: int = Field(default=10, ge=1, description="steps between metrics.jsonl / TensorBoard entries")
+    heldout_rows: int = Field(default=32, ge=1, description=(
+        "held-out rows per dataset for the epoch-end metrics, never trained on"))
+    heldout_seed: int = Field(default=0, description="seed of the held-out split (shared by all variants)")
+    eval_depth: int = Field(default=4, ge=1, description="draft positions the held-out metrics unroll greedily")
+    num_workers: int = Field(default=1, ge=1, description="DDP workers per variant")
+    use_gpu: bool | Literal["auto"] = Field(default="auto", description=(
+        "train on GPUs (auto: when the cluster has GPUs)"))
+    threads: int | None = Field(default=None, ge=1, description=(
+        "torch threads per CPU worker (None: the cores split fairly over all concurrent workers)"))
+    max_failures: int = Field(default=1, ge=-1, description="restarts from the last checkpoint (-1: unlimited)")
+    stage2: Stage2Config | None = Field(default=None, description=(
+        "HASS variants only: the two-stage recipe, stage2.epochs more after epochs (None: one stage)"))
 
 
 def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], base: dict[str, Any]) -> BaseModel:
@@ -267,17 +281,16 @@ def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], 
 
 
 class VariantConfig(Strict):
-    """One drafter to train: ``algorithm`` on the rows of mixture ``mixture``.
+    """One drafter to train: ``algorithm`` on the rows of mixture ``mixture``."""
 
-    ``objective`` overrides :class:`ObjectiveConfig` keys (the algorithm is the variant's);
-    ``train`` overrides keys of the experiment's ``train`` section.
-    """
-
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    algorithm: Literal["eagle2", "hass"] = "eagle2"
-    mixture: str
-    objective: dict[str, Any] = Field(default_factory=dict)
-    train: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=(
+        "variant name: its folder runs/<name>/drafters/<variant>"))
+    algorithm: Literal["eagle2", "hass"] = Field(default="eagle2", description="training objective's algorithm")
+    mixture: str = Field(description="name of the mixture (a key of mixtures) it trains on")
+    objective: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of objective keys (ObjectiveConfig, not algorithm)"))
+    train: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of keys of the experiment's train section"))
 
     @model_validator(mode="after")
     def _overrides(self) -> VariantConfig:
@@ -295,29 +308,23 @@ class VariantConfig(Strict):
 
 
 class DrafterServeConfig(Strict):
-    """One drafter deployment of ``taps serve``.
+    """One drafter deployment of ``taps serve``: a checkpoint, or the weight average of two others."""
 
-    ``checkpoint``: a drafter folder (None: a freshly initialised drafter from ``seed``, logged as
-    untrained). ``average_of`` + ``alpha``: instead, the weight average ``alpha * A + (1 - alpha) * B``
-    of two other drafters of the same config (served for strategy ``averaged:ALPHA``). Resources:
-    ``num_replicas`` or ``autoscaling`` (Ray Serve ``autoscaling_config`` keys), ``num_cpus``,
-    ``num_gpus``, ``threads`` (torch threads per replica), ``max_ongoing_requests``.
-    ``fault`` / ``delay_s`` inject failures for drills and tests: ``raise`` fails every draft call,
-    ``delay_s`` sleeps before each one.
-    """
-
-    checkpoint: str | None = None
-    seed: int = 0
-    average_of: list[str] | None = Field(default=None, min_length=2, max_length=2)
-    alpha: float = Field(default=0.5, ge=0.0, le=1.0)
-    num_replicas: int = Field(default=1, ge=1)
-    autoscaling: dict[str, Any] | None = None
-    num_cpus: float = Field(default=0.5, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-    threads: int | None = Field(default=1, ge=1)
-    max_ongoing_requests: int = Field(default=32, ge=1)
-    fault: Literal["raise"] | None = None
-    delay_s: float = Field(default=0.0, ge=0)
+    checkpoint: str | None = Field(default=None, description=(
+        "drafter folder or release:NAME (None: a freshly initialised drafter from seed, logged as untrained)"))
+    seed: int = Field(default=0, description="seed of a freshly initialised drafter")
+    average_of: list[str] | None = Field(default=None, min_length=2, max_length=2, description=(
+        "instead of a checkpoint: two other drafters A, B of serve.drafters, averaged (strategy averaged:ALPHA)"))
+    alpha: float = Field(default=0.5, ge=0.0, le=1.0, description="average_of weight: alpha * A + (1 - alpha) * B")
+    num_replicas: int = Field(default=1, ge=1, description="replicas when autoscaling is not given")
+    autoscaling: dict[str, Any] | None = Field(default=None, description="Ray Serve autoscaling_config keys")
+    num_cpus: float = Field(default=0.5, ge=0, description="CPUs per replica")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (fractions share one)")
+    threads: int | None = Field(default=1, ge=1, description="torch threads per replica")
+    max_ongoing_requests: int = Field(default=32, ge=1, description="Serve's max_ongoing_requests per replica")
+    fault: Literal["raise"] | None = Field(default=None, description=(
+        "drills and tests: raise fails every draft call"))
+    delay_s: float = Field(default=0.0, ge=0, description="drills and tests: sleep before each draft call")
 
 
 def default_serve_drafters() -> dict[str, DrafterServeConfig]:
@@ -334,65 +341,59 @@ def default_serve_drafters() -> dict[str, DrafterServeConfig]:
 class ServeConfig(Strict):
     """``taps serve``: Drafter deployments, one Verifier (the target) and the OpenAI-compatible ingress.
 
-    ``drafters``: name -> :class:`DrafterServeConfig`, or just a checkpoint folder or ``release:NAME``
-    (default: :func:`default_serve_drafters`). ``strategy`` and ``default_drafters`` (None: every
-    non-averaged drafter, in order) apply when a request names none. ``draft_deadline_s``: per step, a drafter that has not
-    answered by then is skipped for that step. ``request_timeout_s``: a request's whole budget, counted
-    from its arrival (queueing included; also how long an idle drafting session is kept).
-    ``route_probe_steps`` / ``route_recheck_every``: request-granularity routing probes with every
-    drafter for that many steps, then re-probes every that many steps (0: decides once per request).
-    ``model_name``: the served model id (None: the target's name).
-
-    Load shedding: ``max_concurrent_requests`` requests decode at once per verifier replica (Serve's
-    ``max_ongoing_requests`` of the Verifier); up to ``max_queued_requests`` more wait for a slot, per
-    ingress replica (Serve's ``max_queued_requests``: it counts the queue at each caller); beyond that a
-    request is answered at once with a 429 and ``Retry-After: retry_after_s`` (rounded up to seconds).
-    The defaults (8 decoding, 8 waiting) suit a 2-core CPU with the embedded target; on a GPU raise
-    ``max_concurrent_requests`` to what fits its memory.
-
-    Access and request limits (checked by the ingress before any decoding work):
-    ``api_keys``: Bearer keys accepted on every route but ``/health`` and ``/ready`` (also ``--api-key`` and the
-    comma-separated ``TAPS_API_KEY`` env; none: the endpoint is open); never dumped with the config.
-    ``docs``: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
-    ``allowed_hosts``: accepted ``Host`` header names (``*.example.com`` wildcards; empty: any).
-    ``max_body_bytes``: request-body cap (413 beyond it). ``max_messages``: messages per chat request.
-    ``max_prompt_chars``: characters over all messages / the prompt. ``max_stop_sequences`` and
-    ``max_stop_chars``: stop strings per request and characters per stop string.
-    ``max_tokens_cap``: the largest ``max_tokens`` a request may ask for.
-    ``max_draft_deadline_s``: the largest ``taps.draft_deadline_s`` a request may ask for (a 400
-    beyond it; None: ``draft_deadline_s``, so clients may only shorten the server's deadline).
+    Load shedding: a request beyond ``max_concurrent_requests`` decoding and ``max_queued_requests``
+    waiting is answered at once with a 429. The defaults (8 decoding, 8 waiting) suit a 2-core CPU
+    with the embedded target; on a GPU raise ``max_concurrent_requests`` to what fits its memory.
+    Access and request limits are checked by the ingress before any decoding work.
     """
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    app_name: str = "taps"
-    model_name: str | None = None
-    strategy: str = "single"
-    drafters: dict[str, DrafterServeConfig] = Field(default_factory=default_serve_drafters)
-    default_drafters: list[str] | None = None
-    draft_deadline_s: float = Field(default=1.0, ge=0)
-    request_timeout_s: float = Field(default=300.0, gt=0)
-    max_tokens_default: int = Field(default=256, ge=1)
-    route_probe_steps: int = Field(default=2, ge=1)
-    route_recheck_every: int = Field(default=0, ge=0)
-    max_concurrent_requests: int = Field(default=8, ge=1)
-    max_queued_requests: int = Field(default=8, ge=1)
-    retry_after_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    verifier_replicas: int = Field(default=1, ge=1)
-    verifier_num_cpus: float = Field(default=1.0, ge=0)
-    verifier_num_gpus: float = Field(default=0.0, ge=0)
-    ingress_replicas: int = Field(default=1, ge=1)
-    ingress_num_cpus: float = Field(default=0.25, ge=0)
-    api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False)
-    docs: bool = False
-    allowed_hosts: list[str] = Field(default_factory=list)
-    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
-    max_messages: int = Field(default=256, ge=1)
-    max_prompt_chars: int = Field(default=200_000, ge=1)
-    max_stop_sequences: int = Field(default=8, ge=0)
-    max_stop_chars: int = Field(default=256, ge=1)
-    max_tokens_cap: int = Field(default=4096, ge=1)
-    max_draft_deadline_s: float | None = Field(default=None, ge=0)
+    host: str = Field(default="127.0.0.1", description="bind address (bind beyond 127.0.0.1 only with api_keys)")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port")
+    app_name: str = Field(default="taps", description="the Ray Serve application's name")
+    model_name: str | None = Field(default=None, description="the served model id (None: the target's name)")
+    strategy: str = Field(default="single", description="decoding strategy when a request names none")
+    drafters: dict[str, DrafterServeConfig] = Field(default_factory=default_serve_drafters, description=(
+        "name -> drafter deployment, or just a checkpoint folder or release:NAME (default: the shipped "
+        "release drafters, else one untrained drafter)"))
+    default_drafters: list[str] | None = Field(default=None, description=(
+        "drafters used when a request names none (None: every non-averaged drafter, in order)"))
+    draft_deadline_s: float = Field(default=1.0, ge=0, description=(
+        "per step: a drafter that has not answered by then is skipped for that step"))
+    request_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "a request's whole budget from its arrival, queueing included (504 beyond; also an idle drafting "
+        "session's lifetime)"))
+    max_tokens_default: int = Field(default=256, ge=1, description=(
+        "max_tokens of a request that gives none (capped by the room left in the context)"))
+    route_probe_steps: int = Field(default=2, ge=1, description=(
+        "request-granularity routing: steps that probe every drafter before one is chosen"))
+    route_recheck_every: int = Field(default=0, ge=0, description=(
+        "request-granularity routing: re-probe every that many steps (0: decide once per request)"))
+    max_concurrent_requests: int = Field(default=8, ge=1, description=(
+        "requests decoding at once per verifier replica (the Verifier's Serve max_ongoing_requests)"))
+    max_queued_requests: int = Field(default=8, ge=1, description=(
+        "requests waiting for a slot, per ingress replica (Serve's max_queued_requests); beyond it a 429"))
+    retry_after_s: float = Field(default=1.0, gt=0, allow_inf_nan=False, description=(
+        "Retry-After of a 429 (rounded up to whole seconds)"))
+    verifier_replicas: int = Field(default=1, ge=1, description="Verifier (target) replicas")
+    verifier_num_cpus: float = Field(default=1.0, ge=0, description="CPUs per Verifier replica")
+    verifier_num_gpus: float = Field(default=0.0, ge=0, description="GPUs per Verifier replica")
+    ingress_replicas: int = Field(default=1, ge=1, description="ingress (HTTP front end) replicas")
+    ingress_num_cpus: float = Field(default=0.25, ge=0, description="CPUs per ingress replica")
+    api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False, description=(
+        "Bearer keys accepted on every route but /health and /ready (also --api-key and TAPS_API_KEY; none: "
+        "open); never dumped"))
+    docs: bool = Field(default=False, description="serve FastAPI's /docs, /redoc and /openapi.json")
+    allowed_hosts: list[str] = Field(default_factory=list, description=(
+        "accepted Host header names (*.example.com wildcards; empty: any)"))
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, description="request-body cap (413 beyond it)")
+    max_messages: int = Field(default=256, ge=1, description="messages per chat request")
+    max_prompt_chars: int = Field(default=200_000, ge=1, description="characters over all messages / the prompt")
+    max_stop_sequences: int = Field(default=8, ge=0, description="stop strings per request")
+    max_stop_chars: int = Field(default=256, ge=1, description="characters per stop string")
+    max_tokens_cap: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
+    max_draft_deadline_s: float | None = Field(default=None, ge=0, description=(
+        "the largest taps.draft_deadline_s a request may ask for, 400 beyond (None: draft_deadline_s, so "
+        "clients may only shorten it)"))
 
     @field_validator("api_keys")
     @classmethod
@@ -431,34 +432,33 @@ class ServeConfig(Strict):
 
 
 class EvalConfig(Strict):
-    """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions each.
+    """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions
+    each; the report's claims use the drafter roles ``math``, ``chat`` and ``mixed``."""
 
-    ``drafters``: role name -> checkpoint folder, or ``random:SEED`` for a fresh untrained drafter
-    (empty: two fresh drafters ``fresh0``/``fresh1``). Claims use the roles ``math``, ``chat`` and
-    ``mixed``. ``compose`` (None: every drafter, in order) are the drafters that averaged, routed and
-    merged strategies combine; ``single`` runs once per drafter. ``alphas``: extra ``averaged:ALPHA``
-    runs of the first two ``compose`` drafters (the tau-vs-alpha curve). ``probe_steps`` /
-    ``recheck_every`` set request-granularity routing (0: decide once per turn). ``num_actors`` Ray
-    actors (0: in-process), each with ``threads`` torch threads (None: the cores split evenly).
-    ``out``: the run folder (None: ``<output_dir>/<name>/eval``).
-    """
-
-    benchmarks: list[str] = Field(default_factory=lambda: ["mt_bench", "gsm8k", "math_500", "svamp"], min_length=1)
+    benchmarks: list[str] = Field(default_factory=lambda: ["mt_bench", "gsm8k", "math_500", "svamp"], min_length=1,
+                                  description="benchmarks evaluated: mt_bench, gsm8k, math_500, svamp")
     strategies: list[str] = Field(default_factory=lambda: [
         "vanilla", "single", "averaged", "routed:confidence", "routed:entropy", "merged:union", "merged:budget"],
-        min_length=1)
-    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=lambda: [0.0], min_length=1)
-    limit: int | None = Field(default=10, ge=1)
-    max_new_tokens: int = Field(default=128, ge=1)
-    drafters: dict[str, str] = Field(default_factory=dict)
-    compose: list[str] | None = None
-    alphas: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list)
-    probe_steps: int = Field(default=2, ge=1)
-    recheck_every: int = Field(default=0, ge=0)
-    num_actors: int = Field(default=1, ge=0)
-    threads: int | None = Field(default=None, ge=1)
-    seed: int = 0
-    out: str | None = None
+        min_length=1, description="strategies run on every question (single runs once per drafter)")
+    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=lambda: [0.0], min_length=1,
+                                                                description="sampling temperatures (0: greedy)")
+    limit: int | None = Field(default=10, ge=1, description="seeded questions per benchmark (None: all)")
+    max_new_tokens: int = Field(default=128, ge=1, description="new tokens per turn")
+    drafters: dict[str, str] = Field(default_factory=dict, description=(
+        "role name -> drafter folder, or random:SEED for a fresh untrained one (empty: fresh0 and fresh1)"))
+    compose: list[str] | None = Field(default=None, description=(
+        "the drafters averaged, routed and merged strategies combine, in order (None: every drafter)"))
+    alphas: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list, description=(
+        "extra averaged:ALPHA runs of the first two compose drafters (the tau-vs-alpha curve)"))
+    probe_steps: int = Field(default=2, ge=1, description=(
+        "request-granularity routing: steps that probe every drafter before one is chosen"))
+    recheck_every: int = Field(default=0, ge=0, description=(
+        "request-granularity routing: re-probe every that many steps (0: decide once per turn)"))
+    num_actors: int = Field(default=1, ge=0, description="Ray actors the questions are sharded over (0: in-process)")
+    threads: int | None = Field(default=None, ge=1, description=(
+        "torch threads per actor (None: the cores split evenly)"))
+    seed: int = Field(default=0, description="seed of the question selection and of sampling")
+    out: str | None = Field(default=None, description="the run folder (None: <output_dir>/<name>/eval)")
 
     @model_validator(mode="after")
     def _drafter_names(self) -> EvalConfig:
@@ -472,19 +472,24 @@ class EvalConfig(Strict):
 
 
 class ExperimentConfig(Strict):
-    name: str = "demo"
-    output_dir: str = "runs"
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    mixtures: dict[str, MixtureConfig] = Field(default_factory=dict)
-    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
-    tree: TreeConfig = Field(default_factory=TreeConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    variants: list[VariantConfig] = Field(default_factory=list)
-    serve: ServeConfig = Field(default_factory=ServeConfig)
-    extra: Annotated[dict[str, Any], Field(default_factory=dict, description="free-form notes")]
+    """One experiment (``configs/*.yaml``): every ``taps`` command reads its sections from it."""
+
+    name: str = Field(default="demo", description="experiment name: outputs go to <output_dir>/<name>")
+    output_dir: str = Field(default="runs", description=(
+        "folder of all runs (shared storage on a multi-node cluster)"))
+    target: TargetConfig = Field(default_factory=TargetConfig, description="the frozen target LLM")
+    data: DataConfig = Field(default_factory=DataConfig, description="training datasets and target features")
+    mixtures: dict[str, MixtureConfig] = Field(default_factory=dict, description=(
+        "mixture name -> a row selection over the datasets' features"))
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="draft-head architecture knobs")
+    tree: TreeConfig = Field(default_factory=TreeConfig, description="the draft tree every strategy verifies")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="default sampling of generate, eval and serve")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="taps eval: benchmarks x strategies")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="taps train: settings of every variant")
+    variants: list[VariantConfig] = Field(default_factory=list, description="the drafters taps train trains")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="taps serve: deployments and limits")
+    extra: Annotated[dict[str, Any], Field(default_factory=dict, description=(
+        "free-form notes (not read by any command)"))]
 
     @model_validator(mode="after")
     def _mixtures_name_datasets(self) -> ExperimentConfig:

@@ -79,3 +79,51 @@ def test_serve_api_key_flags_add_to_the_configured_keys(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--api-key" in err and "has space" not in err
     assert len(served) == 1
+
+
+def test_config_help_prints_each_key_with_type_default_and_description(capsys):
+    from taps_ray.cli import main
+    from taps_ray.config import FeaturesConfig, ObjectiveConfig, ServeConfig, TreeConfig
+    from taps_ray.sweeps.config import SchedulerSpec
+
+    def described(model, field: str) -> str:
+        return model.model_fields[field].description
+
+    assert main(["config-help"]) == 0
+    out = capsys.readouterr().out
+    for line, model, field in [
+        ("tree.depth: int = 2", TreeConfig, "depth"),
+        ("data.features.max_len: int = 384", FeaturesConfig, "max_len"),
+        ("serve.max_queued_requests: int = 8", ServeConfig, "max_queued_requests"),
+        ('target.dtype: auto | float32 | bfloat16 | float16 = "auto"', None, None),
+        ("variants[].objective.hass_passes: int = 3", ObjectiveConfig, "hass_passes"),
+        ("data.datasets.<name>.alternatives[].kind: sharegpt | gsm8k_train", None, None),
+    ]:
+        assert line in out, line
+        if model is not None:
+            assert f"{line}\n    {described(model, field)}\n" in out
+    assert "prompt-lookup chain grafted onto each tree, at most this long (0: off)" in out
+    assert "scheduler.kind" not in out  # sweep keys come with --sweep
+
+    assert main(["config-help", "serve.drafters"]) == 0
+    keys = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert keys[:2] == ["serve.drafters", "serve.drafters.<name>.checkpoint"]
+    assert all(k.startswith("serve.drafters") for k in keys)
+
+    assert main(["config-help", "--sweep", "scheduler.grace_period"]) == 0
+    assert capsys.readouterr().out == (f"scheduler.grace_period: int = 1\n"
+                                       f"    {described(SchedulerSpec, 'grace_period')}\n")
+
+    assert main(["config-help", "tree.dpeth"]) == 2
+    assert "no key 'tree.dpeth'" in capsys.readouterr().err
+    assert main(["config-help", "--markdown", "tree"]) == 2
+
+
+def test_docs_config_md_is_what_config_help_generates(capsys):
+    from taps_ray.cli import main
+
+    assert main(["config-help", "--markdown"]) == 0
+    generated = capsys.readouterr().out
+    assert "| `serve.max_queued_requests` | `int` | `8` |" in generated
+    assert generated == (REPO / "docs" / "CONFIG.md").read_text(), (
+        "docs/CONFIG.md is out of date: run `taps config-help --markdown > docs/CONFIG.md`")

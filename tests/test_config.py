@@ -1,4 +1,10 @@
+import argparse
+import re
+from typing import get_args
+
 import pytest
+import yaml
+from pydantic import BaseModel, Field
 
 from taps_ray.config import ConfigError, ExperimentConfig, load_config
 from tests.conftest import REPO
@@ -62,3 +68,78 @@ def test_unknown_source_kind_and_gsm_symbolic_are_rejected():
     with pytest.raises(ConfigError, match="gsm_symbolic.*GSM8K test"):
         load_config(None, ["data.datasets={m: {domain: math, alternatives: "
                            "[{kind: reasoning_gym, tasks: [basic_arithmetic, gsm_symbolic]}]}}"])
+
+
+# -- field descriptions and the examples the docs give --------------------------------------------
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _undocumented(roots) -> list[str]:
+    """``Model.field`` of every field without a one-line description, in ``roots`` and the models below them."""
+    seen: set[type[BaseModel]] = set()
+    todo, missing = list(roots), []
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            text = field.description or ""
+            if not text.strip() or "\n" in text:
+                missing.append(f"{model.__name__}.{name}")
+            todo += _models_in(field.annotation)
+    return sorted(missing)
+
+
+def test_every_config_field_has_a_one_line_description():
+    import taps_ray.config as experiment
+    import taps_ray.sweeps.config as sweeps
+
+    defined = [m for module in (experiment, sweeps) for m in vars(module).values()
+               if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == module.__name__]
+    assert {"ExperimentConfig", "ServeConfig", "ObjectiveConfig", "MixtureSweepSpec", "Dimension"} <= {
+        m.__name__ for m in defined}
+    assert _undocumented(defined) == []
+
+    class Nested(BaseModel):
+        documented: int = Field(default=0, description="one line")
+        bare: int = 0
+
+    class Outer(BaseModel):
+        inner: dict[str, list[Nested]] = Field(default_factory=dict, description="nested")
+        two_lines: str = Field(default="", description="a\nb")
+
+    assert _undocumented([Outer]) == ["Nested.bare", "Outer.two_lines"]
+
+
+_EXAMPLE = re.compile(r"\b([a-z_]+(?:\.[a-z_0-9]+)+=[^\s`,)]+)")
+
+
+def _value_at(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_example_overrides_in_docstrings_and_help_are_keys_that_exist():
+    import taps_ray.config as experiment
+    from taps_ray.cli import build_parser
+    from taps_ray.sweeps.config import load_spec
+
+    examples = {"experiment": _EXAMPLE.findall(experiment.__doc__ or ""), "sweep": []}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if action.dest == "overrides":
+                examples["sweep" if name == "sweep" else "experiment"] += _EXAMPLE.findall(action.help or "")
+    assert "data.features.max_len=512" in examples["experiment"] and examples["sweep"]
+    for example in examples["experiment"]:
+        key, value = example.split("=", 1)
+        assert _value_at(load_config(REPO / "configs/demo.yaml", [example]), key) == yaml.safe_load(value), example
+    for example in examples["sweep"]:
+        key, value = example.split("=", 1)
+        assert _value_at(load_spec(REPO / "tune/mixture.yaml", overrides=[example]), key) == yaml.safe_load(value)

@@ -8,6 +8,7 @@ Search dimensions (``search:``) take one of ``grid: [..]`` (a plain list is a gr
 [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]`` or ``randint: [lo, hi)``; grid values are
 crossed, the others are sampled ``num_samples`` times (Ray Tune's basic variant generator).
 ``presets`` are partial specs merged over the spec by ``--preset NAME`` (a null removes a key).
+Every field carries a one-line ``description`` (``taps config-help --sweep``, docs/CONFIG.md).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ class SweepSpecError(ConfigError):
 class Dimension(Strict):
     """One search dimension: exactly one of ``grid``, ``choice``, ``uniform``, ``loguniform``, ``randint``."""
 
-    grid: list[Any] | None = None
-    choice: list[Any] | None = None
-    uniform: tuple[float, float] | None = None
-    loguniform: tuple[float, float] | None = None
-    randint: tuple[int, int] | None = None
+    grid: list[Any] | None = Field(default=None, description=(
+        "values crossed with the other grids (a plain list is a grid)"))
+    choice: list[Any] | None = Field(default=None, description="values sampled num_samples times")
+    uniform: tuple[float, float] | None = Field(default=None, description="[lo, hi]: sampled uniformly")
+    loguniform: tuple[float, float] | None = Field(default=None, description=(
+        "[lo, hi], lo > 0: sampled uniformly in log space"))
+    randint: tuple[int, int] | None = Field(default=None, description="[lo, hi): an integer sampled uniformly")
 
     @model_validator(mode="before")
     @classmethod
@@ -111,8 +114,9 @@ class ObjectiveSpec(Strict):
     Shorthand: ``mean``, ``worst`` or ``domain:NAME``.
     """
 
-    kind: Literal["mean", "worst", "domain"] = "mean"
-    domain: str | None = None
+    kind: Literal["mean", "worst", "domain"] = Field(default="mean", description=(
+        "mean tau over domains, the worst domain's tau, or one domain's tau"))
+    domain: str | None = Field(default=None, description="the domain of kind domain (a key of eval.prompts)")
 
     @model_validator(mode="before")
     @classmethod
@@ -142,19 +146,16 @@ class ObjectiveSpec(Strict):
 
 
 class PromptSpec(Strict):
-    """Held-out prompts of one domain.
+    """Held-out prompts of one domain, never trained on."""
 
-    ``source``: ``heldout`` (the user turn before the first assistant token of the held-out rows of
-    feature set ``dataset``: the seeded split of ``train.heldout_rows`` that no drafter trains on) or a
-    benchmark (``mt_bench``, ``gsm8k``, ``math_500``, ``svamp``; its first turns). ``dataset`` (default:
-    the domain's name) is also the feature set whose held-out simulated tau stands for the domain
-    during mixture training. ``limit`` prompts, chosen by ``seed``.
-    """
-
-    source: str = "heldout"
-    dataset: str | None = None
-    limit: int = Field(default=8, ge=1)
-    seed: int = 0
+    source: str = Field(default="heldout", description=(
+        "heldout (the user turns of feature set dataset's held-out rows, the split of train.heldout_rows) or a "
+        "benchmark's first turns: mt_bench, gsm8k, math_500, svamp"))
+    dataset: str | None = Field(default=None, description=(
+        "feature set of the heldout prompts and of the domain's simulated tau in mixture training (None: the "
+        "domain's name)"))
+    limit: int = Field(default=8, ge=1, description="prompts of the domain")
+    seed: int = Field(default=0, description="seed of the prompt choice")
 
     @field_validator("source")
     @classmethod
@@ -169,9 +170,10 @@ class EvalSpec(Strict):
     prompt with the core decoder (the experiment's ``tree``, or ``tree`` here); tau per domain is the
     micro average over its prompts (appended tokens / steps)."""
 
-    prompts: dict[str, PromptSpec] = Field(min_length=1)
-    max_new_tokens: int = Field(default=64, ge=1)
-    tree: TreeConfig | None = None
+    prompts: dict[str, PromptSpec] = Field(min_length=1, description=(
+        "domain -> its held-out prompts, or just the source name"))
+    max_new_tokens: int = Field(default=64, ge=1, description="new tokens decoded after each prompt")
+    tree: TreeConfig | None = Field(default=None, description="draft tree (None: the experiment's tree)")
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -182,51 +184,47 @@ class EvalSpec(Strict):
 
 
 class ResourcesSpec(Strict):
-    """Resources of one trial.
+    """Resources of one trial: a mixture trial is a light Tune actor driving a Ray Train run, then a Ray
+    task that measures tau; an interpolation trial is one actor."""
 
-    A mixture trial is a light Tune actor (``trial_cpus``) that drives a Ray Train run of
-    ``num_workers`` workers (``cpus_per_worker`` CPUs each, or 1 CPU + 1 GPU with ``use_gpu``), then a
-    Ray task that measures tau (``eval_cpus``, + 1 GPU with ``use_gpu``); ``reserve_cpus`` stay free for
-    Ray Data's read tasks. An interpolation trial is one actor of ``eval_cpus`` (+ 1 GPU). ``use_gpu``
-    ``auto``: when the cluster has GPUs. ``threads``: torch threads per process (None: its CPUs).
-    ``max_concurrent_trials`` (None: as many as the cluster fits).
-    """
-
-    num_workers: int = Field(default=1, ge=1)
-    cpus_per_worker: float = Field(default=1.0, gt=0)
-    use_gpu: bool | Literal["auto"] = "auto"
-    eval_cpus: float = Field(default=1.0, gt=0)
-    trial_cpus: float = Field(default=0.25, gt=0)
-    reserve_cpus: float = Field(default=1.0, ge=0)
-    threads: int | None = Field(default=None, ge=1)
-    max_concurrent_trials: int | None = Field(default=None, ge=1)
+    num_workers: int = Field(default=1, ge=1, description="mixture: Ray Train workers per trial")
+    cpus_per_worker: float = Field(default=1.0, gt=0, description=(
+        "mixture: CPUs per training worker (1 CPU + 1 GPU with use_gpu)"))
+    use_gpu: bool | Literal["auto"] = Field(default="auto", description=(
+        "one GPU per training worker and per tau measurement (auto: when the cluster has GPUs)"))
+    eval_cpus: float = Field(default=1.0, gt=0, description="CPUs of the task or actor that measures tau")
+    trial_cpus: float = Field(default=0.25, gt=0, description="mixture: CPUs of the Tune actor driving the run")
+    reserve_cpus: float = Field(default=1.0, ge=0, description="mixture: CPUs kept free for Ray Data's read tasks")
+    threads: int | None = Field(default=None, ge=1, description="torch threads per process (None: its CPUs)")
+    max_concurrent_trials: int | None = Field(default=None, ge=1, description=(
+        "trials at once (None: as many as the cluster fits)"))
 
 
 class SchedulerSpec(Strict):
-    """Early stopping of mixture trials: ``asha`` compares the simulated objective (the objective over
-    the domains' held-out simulated tau) at epochs ``grace_period * reduction_factor**k`` and stops
-    the trials below the top ``1 / reduction_factor``; ``none`` runs every trial to the end."""
+    """Early stopping of mixture trials on the simulated objective (the objective over the domains'
+    held-out simulated tau, reported each epoch)."""
 
-    kind: Literal["asha", "none"] = "asha"
-    grace_period: int = Field(default=1, ge=1)
-    reduction_factor: float = Field(default=2.0, gt=1)
+    kind: Literal["asha", "none"] = Field(default="asha", description=(
+        "asha: stop trials below the top 1 / reduction_factor at epochs grace_period * reduction_factor**k; "
+        "none: run every trial to the end"))
+    grace_period: int = Field(default=1, ge=1, description="epochs before the first ASHA comparison")
+    reduction_factor: float = Field(default=2.0, gt=1, description="ASHA keeps the top 1 / reduction_factor")
 
 
 class MixtureBase(Strict):
-    """The drafter every mixture trial trains, before the trial's search values apply.
+    """The drafter every mixture trial trains, before the trial's search values apply; ``algorithm``,
+    ``objective`` and ``train`` are a variant's keys."""
 
-    ``datasets``: the two feature sets mixed; ``ratio`` is the share of the first (math:chat =
-    ratio:1-ratio) of ``total`` rows (None: as many as the pools allow). ``algorithm``, ``objective``
-    and ``train`` are a variant's keys (``train`` over the experiment's ``train`` section).
-    """
-
-    datasets: list[str] = Field(min_length=2, max_length=2)
-    ratio: float = Field(default=0.5, ge=0.0, le=1.0)
-    total: int | None = Field(default=None, ge=1)
-    seed: int = 0
-    algorithm: Literal["eagle2", "hass"] = "hass"
-    objective: dict[str, Any] = Field(default_factory=dict)
-    train: dict[str, Any] = Field(default_factory=dict)
+    datasets: list[str] = Field(min_length=2, max_length=2, description="the two feature sets mixed")
+    ratio: float = Field(default=0.5, ge=0.0, le=1.0, description=(
+        "share of the first dataset (math:chat = ratio:1-ratio)"))
+    total: int | None = Field(default=None, ge=1, description="rows mixed (None: as many as the pools allow)")
+    seed: int = Field(default=0, description="seed of the row selection")
+    algorithm: Literal["eagle2", "hass"] = Field(default="hass", description="training objective's algorithm")
+    objective: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of objective keys (those of an experiment's variants[].objective)"))
+    train: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of keys of the experiment's train section"))
 
     @model_validator(mode="after")
     def _distinct(self) -> MixtureBase:
@@ -236,19 +234,21 @@ class MixtureBase(Strict):
 
 
 class SweepSpec(Strict):
-    """Keys shared by both kinds: ``name`` (output folder ``runs/<experiment>/sweeps/<name>``),
-    ``experiment`` config, ``num_samples``, ``max_failures`` retries per trial before it is reported
-    failed, ``objective``, ``eval``, ``resources``."""
+    """Keys shared by both kinds of sweep spec."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    experiment: str = "configs/demo.yaml"
-    num_samples: int = Field(default=1, ge=1)
-    max_failures: int = Field(default=1, ge=0)
-    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
-    eval: EvalSpec
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    search: dict[str, Dimension]
-    presets: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=(
+        "sweep name: its output folder is runs/<experiment>/sweeps/<name>"))
+    experiment: str = Field(default="configs/demo.yaml", description="the experiment config the trials use")
+    num_samples: int = Field(default=1, ge=1, description=(
+        "samples of the non-grid dimensions (per grid point)"))
+    max_failures: int = Field(default=1, ge=0, description="retries per trial before it is reported failed")
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec, description=(
+        "what the sweep maximises: mean, worst or domain:NAME"))
+    eval: EvalSpec = Field(description="how a trial's drafter is scored")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="resources of one trial")
+    search: dict[str, Dimension] = Field(description="search key -> its dimension (at least one)")
+    presets: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "name -> partial spec merged over this one by --preset NAME (a null removes a key)"))
 
     @field_validator("search")
     @classmethod
@@ -285,9 +285,9 @@ class MixtureSweepSpec(SweepSpec):
     knobs of the variant). Each trial reports its simulated objective per epoch (for ``scheduler``)
     and, at the end, tau per domain on the held-out prompts."""
 
-    kind: Literal["mixture"]
-    mixture: MixtureBase
-    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    kind: Literal["mixture"] = Field(description="mixture: train one drafter per data mixture")
+    mixture: MixtureBase = Field(description="the drafter every trial trains before its search values apply")
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec, description="early stopping of trials")
 
     @model_validator(mode="after")
     def _search_keys(self) -> MixtureSweepSpec:
@@ -337,13 +337,13 @@ def _check_mixture_value(key: str, value: Any) -> None:
 
 
 class InterpolationSweepSpec(SweepSpec):
-    """``kind: interpolation``: ``drafters`` (name -> checkpoint folder, or ``random:SEED`` for a fresh
-    untrained one), all of one target. Search key ``alpha`` (two drafters: ``alpha * first + (1 - alpha)
-    * second``, in [0, 1]) or ``weights`` (one vector per point, one weight per drafter, each in [0, 1],
-    summing to 1)."""
+    """``kind: interpolation``: search key ``alpha`` (two drafters: ``alpha * first + (1 - alpha) * second``,
+    in [0, 1]) or ``weights`` (one vector per point, one weight per drafter, each in [0, 1], summing to 1)."""
 
-    kind: Literal["interpolation"]
-    drafters: dict[str, str] = Field(min_length=2)
+    kind: Literal["interpolation"] = Field(description=(
+        "interpolation: average two or more trained drafters in weight space"))
+    drafters: dict[str, str] = Field(min_length=2, description=(
+        "name -> drafter folder, or random:SEED for a fresh untrained one; all of one target"))
 
     @model_validator(mode="after")
     def _search_keys(self) -> InterpolationSweepSpec:

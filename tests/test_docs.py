@@ -1,0 +1,38 @@
+"""The README's layout names what the repository holds: every top-level file and folder, and every
+module and subpackage of taps_ray (tracked files, as ``git ls-files`` lists them)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _tracked() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return out.splitlines()
+
+
+def _layout() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    return section.split("```")[1]
+
+
+def test_readme_layout_names_every_top_level_entry_and_package_module():
+    files = _tracked()
+    layout = _layout()
+    top = {p.split("/")[0] + ("/" if "/" in p else "") for p in files}
+    package = {p.split("/")[1] + ("/" if p.count("/") > 1 else "") for p in files if p.startswith("taps_ray/")}
+    missing = [f"{name}" for name in sorted(top - {".gitignore", ".ci/"})
+               if not re.search(rf"^{re.escape(name)}(\s|$)", layout, re.M)]
+    missing += [f"taps_ray/{name}" for name in sorted(package - {"__init__.py"})
+                if not re.search(rf"^  {re.escape(name)}(\s|$)", layout, re.M)]
+    assert not missing, f"README.md's layout does not name {missing}"
+    assert re.search(r"^\.ci/run\s", layout, re.M)
