@@ -14,12 +14,14 @@ time and the report's path.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from taps_ray.config import ExperimentConfig, load_config
+from taps_ray.eval.claims import claim_line
+from taps_ray.eval.records import RECORDS, read_records
+from taps_ray.eval.report import build_tables, section_text, speed_section, tau_section, write_report
 from taps_ray.runstate import write_json
 
 SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
@@ -31,7 +33,7 @@ FULL = [
 ]
 ROLES = {"math": "hass-math", "chat": "hass-chat", "mixed": "hass-mixed"}
 RELEASE_STRATEGIES = ["vanilla", "single", "routed:confidence:request", "routed:confidence:step", "merged:budget"]
-RELEASE_SECTIONS = ("Acceptance length tau", "Wall-clock speed")
+RELEASE_SECTIONS = (tau_section, speed_section)
 
 
 @dataclass
@@ -72,21 +74,15 @@ def release_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
     return cfg.model_copy(update={"eval": evaluation})
 
 
-def _section(markdown: str, title: str) -> str:
-    """The first ``### title`` section of a report (up to the next heading)."""
-    lines = markdown.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("###") and title in line), None)
-    if start is None:
-        return ""
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
-    return "\n".join(lines[start:end]).strip()
+def release_sections(tables: dict, data) -> str:
+    """The release drafters' :data:`RELEASE_SECTIONS` of the report, from its tables, headings one level down."""
+    return "\n\n".join(section_text(section, tables, data, level=4) for section in RELEASE_SECTIONS)
 
 
 def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = False,
              sweep: bool = True) -> Path:
     """Run every stage (see module docstring); returns the report's path."""
     from taps_ray.data.features import prepare_features, summary_table
-    from taps_ray.eval.report import claim_line, write_report
     from taps_ray.eval.runner import run_eval
     from taps_ray.models.target import TargetModel
     from taps_ray.sweeps.config import load_spec
@@ -145,21 +141,18 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
 
     started = stage("report")
     report = write_report(out, sweeps)
-    if release_report is not None:
-        shipped = release_report.read_text()
-        sections = "\n\n".join(_section(shipped, title) for title in RELEASE_SECTIONS)
+    tables, data = build_tables(read_records(out / RECORDS))
+    shipped = build_tables(read_records(release_report.parent / RECORDS)) if release_report is not None else None
+    if shipped is not None:
         report.write_text(report.read_text() + "\n## Release drafters (release:math, release:chat; shipped with the "
                           f"package)\n\nFrom [{release_report.parent.name}/report.md]({release_report}).\n\n"
-                          + sections.replace("### ", "#### ") + "\n")
+                          + release_sections(*shipped) + "\n")
     times.stages["report"] = time.perf_counter() - started
-    markdown = report.read_text()
-    print("\n" + _section(markdown, "Acceptance length tau"))
-    if release_report is not None:
-        print("\nRelease drafters:\n" + "\n\n".join(_section(release_report.read_text(), title)
-                                                     for title in RELEASE_SECTIONS))
-    claims = json.loads((out / "summary.json").read_text())["claims"]
+    print("\n" + section_text(tau_section, tables, data))
+    if shipped is not None:
+        print("\nRelease drafters:\n" + "\n\n".join(section_text(s, *shipped) for s in RELEASE_SECTIONS))
     print("\nClaims of the TAPS paper, measured at T=0 (how each is checked: docs/DESIGN.md, "
-          "\"Claims the report checks\"):\n" + "\n".join(claim_line(c, bold=False) for c in claims))
+          "\"Claims the report checks\"):\n" + "\n".join(claim_line(c, bold=False) for c in tables["claims"]))
     print("\n" + times.table())
     write_json(out / "demo_times.json", times.stages)
     print(f"\nreport: {report}", flush=True)

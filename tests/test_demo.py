@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from taps_ray.demo import ROLES, _section, demo_config
+from taps_ray.demo import ROLES, demo_config, release_sections
+from taps_ray.eval.report import build_tables, render_markdown
 from tests.conftest import REPO
+from tests.eval.test_report import paper_like_records
 
 DEMO = REPO / "configs" / "demo.yaml"
 
@@ -27,9 +29,14 @@ def test_demo_needs_the_hass_variants():
                            "{name: hass-chat, algorithm: hass, mixture: chat-only}]"], full=False)
 
 
-def test_section_extracts_one_table():
-    text = "# r\n### Acceptance length tau (Table 1)\n\n| a |\n|---|\n### Routing\nx"
-    assert _section(text, "Acceptance length tau") == "### Acceptance length tau (Table 1)\n\n| a |\n|---|"
+def test_release_sections_come_from_the_tables_not_the_markdown():
+    tables, data = build_tables(paper_like_records())
+    text = release_sections(tables, data)
+    assert text.startswith("#### Acceptance length tau (Table 1)") and "\n#### Wall-clock speed" in text
+    assert "###" not in text.replace("####", "")
+    report = render_markdown(tables, data, {}, [])
+    for section in text.split("\n\n#### "):
+        assert section.removeprefix("#### ").strip() in report, "the same sections as the run's report.md"
 
 
 def test_release_drafters_are_evaluated_beside_the_demo_ones(monkeypatch):

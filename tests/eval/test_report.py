@@ -7,8 +7,9 @@ import json
 import pytest
 
 from taps_ray.cli import main
+from taps_ray.eval.claims import CLAIMS, FAILS, HOLDS, MISSING, claim_line
 from taps_ray.eval.records import RECORDS, RUN_FILE
-from taps_ray.eval.report import CLAIMS, FAILS, HOLDS, MISSING, build_tables, claim_line, write_report
+from taps_ray.eval.report import build_tables, write_report
 
 DEPTH = 4
 HI = [1, 2, 3, 4, 4] * 2       # tau 3.8; depth rates 1, .8, .75, 4/6
@@ -188,9 +189,9 @@ def test_report_states_each_claim_in_words(tmp_path):
                                "strategies. — **not measured** (needs merged:union")
     for claim in build_tables(few)[0]["claims"]:
         assert lines[claim["id"]] == claim_line(claim)
-        assert CLAIMS[claim["id"]] in lines[claim["id"]] and claim["evidence"] in lines[claim["id"]]
+        assert CLAIMS[claim["id"]].text in lines[claim["id"]] and claim["evidence"] in lines[claim["id"]]
     assert "section 10" not in text and "shared/" not in text
-    plain = claim_line({"id": 7, "claim": CLAIMS[7], "status": HOLDS, "evidence": "2.00 vs 1.00"}, bold=False)
+    plain = claim_line({"id": 7, "claim": CLAIMS[7].text, "status": HOLDS, "evidence": "2.00 vs 1.00"}, bold=False)
     assert plain == "7. Rejected draft tokens have a higher draft entropy than accepted ones. — holds (2.00 vs 1.00)"
 
 
