@@ -86,7 +86,7 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     from taps_ray.eval.runner import run_eval
     from taps_ray.models.target import TargetModel
     from taps_ray.sweeps.config import load_spec
-    from taps_ray.sweeps.run import report as sweep_report
+    from taps_ray.sweeps.results import report as sweep_report
     from taps_ray.sweeps.run import run_sweep
     from taps_ray.train.launch import run_training
     from taps_ray.train.launch import summary_table as train_table

@@ -42,6 +42,10 @@ class SweepSpecError(ConfigError):
     """A sweep spec is invalid; each line names the dotted key, the value and the rule."""
 
 
+class SweepError(ValueError):
+    """A sweep cannot run as asked (printed as one line by the CLI)."""
+
+
 class Dimension(Strict):
     """One search dimension: exactly one of ``grid``, ``choice``, ``uniform``, ``loguniform``, ``randint``."""
 
