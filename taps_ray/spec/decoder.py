@@ -120,6 +120,37 @@ def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
+@dataclass
+class _Request:
+    """One :func:`generate` call's state: the sampling rule, the token buffer (prompt then generated
+    tokens, ``length`` of them filled), the KV cache and the steps so far."""
+
+    target: TargetModel
+    strategy: Strategy
+    sampling: SamplingConfig
+    max_new_tokens: int
+    eos: torch.Tensor
+    generator: torch.Generator | None
+    collect_entropy: bool
+    timer: Callable[[], float]
+    prompt_len: int = 0
+    length: int = 0
+    tokens: torch.Tensor | None = None
+    cache: object = None
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature == 0
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token from ``logits``: argmax when greedy, else sampled with the request's generator."""
+        if self.greedy:
+            return logits.argmax(-1)
+        probs = process_logits(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
 @torch.inference_mode()
 def generate(
     target: TargetModel,
@@ -139,7 +170,25 @@ def generate(
     at ``max_new_tokens`` (a longer accepted path is trimmed) or at the target's context limit.
     ``timer`` clocks the recorded times (``time.process_time`` gives CPU time, which other load
     on a shared machine barely inflates when torch runs one thread).
+
+    The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
+    :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
+    :func:`_result`.
     """
+    request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
+    start = timer()
+    finish = _prefill(request, ids)
+    prefill_s = timer() - start
+    while finish is None:
+        finish = _step(request)
+    total_s = timer() - start
+    return _result(request, finish, prefill_s, total_s)
+
+
+def _setup(target: TargetModel, prompt, strategy: Strategy | None, sampling: SamplingConfig | dict | None,
+           max_new_tokens: int, eos_token_ids, collect_entropy: bool,
+           timer: Callable[[], float]) -> tuple[_Request, torch.Tensor]:
+    """The checked arguments as a :class:`_Request`, and the prompt's token ids."""
     strategy = strategy or VanillaStrategy()
     sampling = check_sampling(sampling)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -147,96 +196,114 @@ def generate(
     ids = prompt_ids(target, prompt)
     eos = torch.tensor(sorted(target.eos_token_ids if eos_token_ids is None else eos_token_ids),
                        dtype=torch.long, device=target.device)
-    greedy = sampling.temperature == 0
     generator = None
-    if not greedy and sampling.seed is not None:
+    if sampling.temperature != 0 and sampling.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
+    return _Request(target, strategy, sampling, max_new_tokens, eos, generator, collect_entropy, timer), ids
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        if greedy:
-            return logits.argmax(-1)
-        probs = process_logits(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    start = timer()
-    prompt_len = ids.numel()
-    cache = target.new_cache()
-    out = target.prefill(ids[None], cache)
-    tokens = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=target.device)
+def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
+    """Prefill the prompt, choose the first token and start the strategy; the finish reason when that
+    token already ends the request."""
+    target, max_new_tokens = request.target, request.max_new_tokens
+    prompt_len = request.prompt_len = ids.numel()
+    request.cache = target.new_cache()
+    out = target.prefill(ids[None], request.cache)
+    tokens = request.tokens = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=target.device)
     tokens[:prompt_len] = ids
-    tokens[prompt_len:prompt_len + 1] = choose(out.logits[0, -1:])
-    length = prompt_len + 1
-    finish = None
-    if bool(torch.isin(tokens[prompt_len], eos)):
-        finish = "eos"
-    elif max_new_tokens == 1:
-        finish = "length"
+    tokens[prompt_len:prompt_len + 1] = request.choose(out.logits[0, -1:])
+    request.length = prompt_len + 1
+    if bool(torch.isin(tokens[prompt_len], request.eos)):
+        return "eos"
+    if max_new_tokens == 1:
+        return "length"
+    request.strategy.start(target, tokens[1:request.length], out.hidden[0])
+    return None
+
+
+def _step(request: _Request) -> str | None:
+    """One target verification: the strategy proposes a tree (or none: a plain step), the target
+    verifies it, the accepted tokens are appended; the finish reason when the request ends."""
+    r = request.length - 1
+    if r >= request.target.max_context:
+        return "context"
+    t0 = request.timer()
+    tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
+                                                len(request.steps)))
+    t1 = request.timer()
+    if tree is None:
+        new, features, record = _plain_step(request, r)
     else:
-        strategy.start(target, tokens[1:length], out.hidden[0])
-    prefill_s = timer() - start
-    steps: list[StepRecord] = []
+        new, features, record = _tree_step(request, tree, r)
+    return _append(request, new, features, record, t0, t1)
 
-    while finish is None:
-        r = length - 1
-        if r >= target.max_context:
-            finish = "context"
-            break
-        t0 = timer()
-        tree = strategy.propose(DecodeState(tokens[:length], r, prompt_len, len(steps)))
-        t1 = timer()
-        record_extra = {}
-        if tree is None:
-            positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
-            out = target.forward(tokens[r:length][None], positions, cache)
-            new = choose(out.logits[0])
-            features = out.hidden[0]
-            accepted, tree_size, tree_depth, rejected = 0, 1, 0, False
-        else:
-            if tree.prefix_len != r:
-                raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
-                                   f"the target is at {r}")
-            proposed, repeated = tree, repeated_siblings(tree.tokens, tree.parent)  # read at the walk's sync
-            if tree.size > target.max_context - r:
-                tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
-            out = run_tree(target, tree, cache)
-            logits = out.logits[0]
-            if greedy:
-                verdict = verify_greedy(tree, logits)
-            else:
-                verdict = verify_sampling(tree, logits, sampling.temperature, sampling.top_p, sampling.top_k,
-                                          generator)
-            if bool(repeated):
-                try:
-                    check_distinct_siblings(proposed.tokens, proposed.parent)
-                except ValueError as err:
-                    raise RuntimeError(f"strategy {strategy.name!r} proposed an invalid tree: {err}") from None
-            compact_target(cache, tree, verdict)
-            new, features = verdict.tokens, out.hidden[0, verdict.path]
-            accepted, tree_size, tree_depth = verdict.accepted, tree.size, tree.depth.max()
-            rejected = verdict.rejected >= 0
-            if collect_entropy:
-                record_extra = _entropies(tree, logits, verdict)
-            if tree.meta:
-                record_extra["meta"] = tree.meta
-        is_eos = torch.isin(new, eos)
-        first_eos = int(torch.where(is_eos.any(), is_eos.int().argmax(), new.numel()))
-        keep = min(new.numel(), max_new_tokens - (length - prompt_len), first_eos + 1)
-        tokens[length:length + keep] = new[:keep]
-        length += keep
-        steps.append(StepRecord(accepted=accepted, appended=keep, tree_size=tree_size, draft_s=t1 - t0,
-                                verify_s=timer() - t1, tree_depth=tree_depth, rejected=rejected, **record_extra))
-        if first_eos < new.numel() and keep == first_eos + 1:
-            finish = "eos"
-        elif length - prompt_len >= max_new_tokens:
-            finish = "length"
-        else:
-            strategy.advance(new, features)
 
-    total_s = timer() - start
-    generated = tokens[prompt_len:length].tolist()
+def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One target forward on the last token: (the next token, its feature, the step's record fields)."""
+    target = request.target
+    positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
+    out = target.forward(request.tokens[r:request.length][None], positions, request.cache)
+    new = request.choose(out.logits[0])
+    return new, out.hidden[0], {"accepted": 0, "tree_size": 1, "tree_depth": 0, "rejected": False}
+
+
+def _tree_step(request: _Request, tree: DraftTree, r: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Verify ``tree`` (cut to the context left) and compact the KV cache to the accepted path:
+    (the accepted tokens and the bonus, their features, the step's record fields)."""
+    target, strategy, sampling = request.target, request.strategy, request.sampling
+    if tree.prefix_len != r:
+        raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
+                           f"the target is at {r}")
+    proposed, repeated = tree, repeated_siblings(tree.tokens, tree.parent)  # read at the walk's sync
+    if tree.size > target.max_context - r:
+        tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
+    out = run_tree(target, tree, request.cache)
+    logits = out.logits[0]
+    if request.greedy:
+        verdict = verify_greedy(tree, logits)
+    else:
+        verdict = verify_sampling(tree, logits, sampling.temperature, sampling.top_p, sampling.top_k,
+                                  request.generator)
+    if bool(repeated):
+        try:
+            check_distinct_siblings(proposed.tokens, proposed.parent)
+        except ValueError as err:
+            raise RuntimeError(f"strategy {strategy.name!r} proposed an invalid tree: {err}") from None
+    compact_target(request.cache, tree, verdict)
+    record = {"accepted": verdict.accepted, "tree_size": tree.size, "tree_depth": tree.depth.max(),
+              "rejected": verdict.rejected >= 0}
+    if request.collect_entropy:
+        record.update(_entropies(tree, logits, verdict))
+    if tree.meta:
+        record["meta"] = tree.meta
+    return verdict.tokens, out.hidden[0, verdict.path], record
+
+
+def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, record: dict, t0: float,
+            t1: float) -> str | None:
+    """Append ``new`` up to its first EOS and the token budget, record the step, and advance the
+    strategy; the finish reason (eos | length) when the request ends here."""
+    is_eos = torch.isin(new, request.eos)
+    first_eos = int(torch.where(is_eos.any(), is_eos.int().argmax(), new.numel()))
+    keep = min(new.numel(), request.max_new_tokens - (request.length - request.prompt_len), first_eos + 1)
+    request.tokens[request.length:request.length + keep] = new[:keep]
+    request.length += keep
+    request.steps.append(StepRecord(appended=keep, draft_s=t1 - t0, verify_s=request.timer() - t1, **record))
+    if first_eos < new.numel() and keep == first_eos + 1:
+        return "eos"
+    if request.length - request.prompt_len >= request.max_new_tokens:
+        return "length"
+    request.strategy.advance(new, features)
+    return None
+
+
+def _result(request: _Request, finish: str, prefill_s: float, total_s: float) -> GenerationResult:
+    target, prompt_len = request.target, request.prompt_len
+    generated = request.tokens[prompt_len:request.length].tolist()
     text = target.tokenizer.decode(generated, skip_special_tokens=True) if target.tokenizer is not None else None
     return GenerationResult(token_ids=generated, text=text, prompt_len=prompt_len, finish_reason=finish,
-                            strategy=strategy.name, prefill_s=prefill_s, total_s=total_s, steps=steps)
+                            strategy=request.strategy.name, prefill_s=prefill_s, total_s=total_s,
+                            steps=request.steps)
 
 
 def _entropies(tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> dict:
