@@ -342,8 +342,33 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     so trees of drafters with different draft vocabularies drafted over one support compare. The
     tree's nodes are chosen on the draft vocabulary either way.
     """
-    device = target.device
     recorded, extra = state.support_rows(target, support)
+    out, root, r = _commit_pending(drafter, target, state)
+    candidates = _expand(drafter, target, state, out, r, tree_cfg, rows=extra is not None)
+    crop_cache(state.cache, r)
+    return _assemble(candidates, root, r, tree_cfg, extra, recorded)
+
+
+@dataclass
+class _Candidates:
+    """Every node the expansion generated, in generation order (the root's top-K children, then K*K
+    children per level): token, parent index (-1: the root), cumulative log-prob, the entropy of the
+    distribution it was drawn from, depth, and (with a support) the row of that distribution in
+    ``rows`` (hidden, log-sum-exp, entropy per drafter call)."""
+
+    token: torch.Tensor
+    parent: torch.Tensor
+    score: torch.Tensor
+    entropy: torch.Tensor
+    depth: torch.Tensor
+    row: torch.Tensor | None
+    rows: list | None
+
+
+def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Run the queued pairs into the drafter's cache: (the drafter's output [1, P, H], the root token [1],
+    the committed length)."""
+    device = target.device
     tokens, features = state.take_pending()
     r = state.committed + tokens.numel()
     positions = torch.arange(state.committed, r, device=device)[None]
@@ -351,29 +376,36 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     out = drafter(target.embed_tokens(tokens.to(device))[None], features[None].to(device, dtype), positions,
                   state.cache)
     state.committed = r
-    root = tokens[-1:]
     if state.head is None:
         weight = target.lm_head.weight
         state.head = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
+    return out, tokens[-1:], r
 
+
+def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: torch.Tensor, r: int,
+            tree_cfg: TreeConfig, rows: bool) -> _Candidates:
+    """The root's top-K children, then ``depth`` levels: the drafter on the K frontier nodes at once
+    (tree mask over its own cache), all K*K children scored, the global top K the next frontier."""
+    device = target.device
+    dtype = drafter.fc.weight.dtype
     logp, ent, lse = _log_probs(state.head, out[0, -1:])
-    rows = [(out[0, -1:], lse, ent)] if extra is not None else None
     k = min(tree_cfg.top_k, logp.shape[-1])
     depth = tree_cfg.depth
     n_cand = k + depth * k * k
-    cand_token = torch.empty(n_cand, dtype=torch.long, device=device)
-    cand_parent = torch.empty(n_cand, dtype=torch.long, device=device)
-    cand_score = torch.empty(n_cand, dtype=torch.float32, device=device)
-    cand_entropy = torch.empty(n_cand, dtype=torch.float32, device=device)
-    cand_depth = torch.empty(n_cand, dtype=torch.long, device=device)
-    cand_row = torch.zeros(n_cand, dtype=torch.long, device=device) if rows is not None else None
+    c = _Candidates(token=torch.empty(n_cand, dtype=torch.long, device=device),
+                    parent=torch.empty(n_cand, dtype=torch.long, device=device),
+                    score=torch.empty(n_cand, dtype=torch.float32, device=device),
+                    entropy=torch.empty(n_cand, dtype=torch.float32, device=device),
+                    depth=torch.empty(n_cand, dtype=torch.long, device=device),
+                    row=torch.zeros(n_cand, dtype=torch.long, device=device) if rows else None,
+                    rows=[(out[0, -1:], lse, ent)] if rows else None)
 
     top = logp[0].topk(k)
     frontier_token = drafter.to_target_ids(top.indices)
     frontier_score = top.values
     frontier_id = torch.arange(k, device=device)
-    cand_token[:k], cand_parent[:k], cand_score[:k] = frontier_token, -1, frontier_score
-    cand_entropy[:k], cand_depth[:k] = ent[0], 1
+    c.token[:k], c.parent[:k], c.score[:k] = frontier_token, -1, frontier_score
+    c.entropy[:k], c.depth[:k] = ent[0], 1
     frontier_feature = out[0, -1:].expand(k, -1)
     slot_ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
     eye = torch.eye(k, dtype=torch.bool, device=device)
@@ -388,17 +420,17 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
         hidden = drafter(target.embed_tokens(frontier_token)[None], frontier_feature[None], positions,
                          state.cache, mask)[0]
         logp, ent, lse = _log_probs(state.head, hidden)
-        if rows is not None:
-            rows.append((hidden, lse, ent))
+        if c.rows is not None:
+            c.rows.append((hidden, lse, ent))
         top = logp.topk(k, dim=-1)
         child_score = (frontier_score[:, None] + top.values).reshape(-1)
         child_token = drafter.to_target_ids(top.indices).reshape(-1)
         span = slice(filled, filled + k * k)
-        cand_token[span], cand_score[span] = child_token, child_score
-        cand_parent[span] = frontier_id.repeat_interleave(k)
-        cand_entropy[span], cand_depth[span] = ent.repeat_interleave(k), level + 1
-        if rows is not None:
-            cand_row[span] = 1 + (level - 1) * k + torch.arange(k, device=device).repeat_interleave(k)
+        c.token[span], c.score[span] = child_token, child_score
+        c.parent[span] = frontier_id.repeat_interleave(k)
+        c.entropy[span], c.depth[span] = ent.repeat_interleave(k), level + 1
+        if c.rows is not None:
+            c.row[span] = 1 + (level - 1) * k + torch.arange(k, device=device).repeat_interleave(k)
         if level < depth:
             best = child_score.topk(k).indices
             row = best // k
@@ -407,25 +439,31 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
             frontier_feature = hidden[row]
             slot_ancestors = slot_ancestors[row]
         filled += k * k
+    return c
 
-    crop_cache(state.cache, r)
-    keep = rerank(cand_score, tree_cfg.total_tokens - 1)
-    remap = torch.full((n_cand + 1,), -1, dtype=torch.long, device=device)
+
+def _assemble(c: _Candidates, root: torch.Tensor, r: int, tree_cfg: TreeConfig, extra,
+              recorded) -> DraftTree:
+    """Rerank: the ``total_tokens - 1`` best candidates under the root, as a :class:`DraftTree` (scores and
+    entropies re-normalised over the support when there is one)."""
+    device = c.token.device
+    keep = rerank(c.score, tree_cfg.total_tokens - 1)
+    remap = torch.full((c.token.numel() + 1,), -1, dtype=torch.long, device=device)
     remap[keep] = torch.arange(1, keep.numel() + 1, device=device)
-    parent = torch.cat([torch.full((1,), -1, device=device), remap[cand_parent[keep]].clamp(min=0)])
-    mask = ancestor_mask(parent, depth + 1)
-    score = torch.cat([cand_score.new_zeros(1), cand_score[keep]])
-    entropy = torch.cat([cand_entropy.new_zeros(1), cand_entropy[keep]])
-    if rows is not None:
-        hidden, lse, ent = (torch.cat(part) for part in zip(*rows))
+    parent = torch.cat([torch.full((1,), -1, device=device), remap[c.parent[keep]].clamp(min=0)])
+    mask = ancestor_mask(parent, tree_cfg.depth + 1)
+    score = torch.cat([c.score.new_zeros(1), c.score[keep]])
+    entropy = torch.cat([c.entropy.new_zeros(1), c.entropy[keep]])
+    if c.rows is not None:
+        hidden, lse, ent = (torch.cat(part) for part in zip(*c.rows))
         shift, widened = _widen(extra, hidden, lse, ent)
-        node_row = cand_row[keep]
+        node_row = c.row[keep]
         score = score + mask.float() @ torch.cat([shift.new_zeros(1), shift[node_row]])
         entropy = torch.cat([entropy.new_zeros(1), widened[node_row]])
     return DraftTree(
-        tokens=torch.cat([root.to(device), cand_token[keep]]),
+        tokens=torch.cat([root.to(device), c.token[keep]]),
         parent=parent,
-        depth=torch.cat([cand_depth.new_zeros(1), cand_depth[keep]]),
+        depth=torch.cat([c.depth.new_zeros(1), c.depth[keep]]),
         score=score,
         entropy=entropy,
         mask=mask,
