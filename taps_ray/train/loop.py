@@ -334,14 +334,114 @@ def _quiet_report_logs() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+@dataclass
+class _Worker:
+    """What one worker's loop holds: its place in the group, the run's settings, the drafter (``model``:
+    as Ray Train wrapped it; ``module``: the DraftHead inside), its optimizer and progress, the frozen
+    target tensors, the data, and the metrics window since the last train log line."""
+
+    config: dict
+    rank: int
+    world: int
+    variant: str
+    train: TrainConfig
+    objective: ObjectiveConfig
+    device: torch.device
+    embed: torch.Tensor
+    head: torch.Tensor
+    fingerprint: TargetFingerprint
+    metrics_log: MetricsLog
+    state: TrainState
+    module: DraftHead
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    stages: list[Stage]
+    per_epoch: int
+    fail_at: int | None
+    marker: Path
+    autocast: object
+    heldout: dict[str, list[dict]]
+    pooled: list[str]
+    shard: ShardRows
+    window: dict = field(default_factory=lambda: dict(_EMPTY_WINDOW))
+    last: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.shape[1])
+
+    @property
+    def total_epochs(self) -> int:
+        return sum(s.epochs for s in self.stages)
+
+    @property
+    def total_steps(self) -> int:
+        return self.total_epochs * self.per_epoch
+
+    def log(self, line: str) -> None:
+        if self.rank == 0:
+            sys.stdout.write(f"[{self.variant}] {line}\n")
+            sys.stdout.flush()
+
+    def extra(self, final: bool) -> dict:
+        """The drafter's ``config.json`` metadata: the run's settings, its progress, its held-out metrics."""
+        state = self.state
+        return {**self.config.get("meta", {}), "name": self.variant, "algorithm": self.objective.algorithm,
+                "objective": self.objective.model_dump(), "train": self.train.model_dump(),
+                "training": {"step": state.step, "total_steps": self.total_steps, "epochs": self.total_epochs,
+                             "tokens": state.tokens, "train_seconds": round(state.train_seconds, 2),
+                             "cpu_seconds": round(state.cpu_seconds, 2),
+                             "attempts": state.attempts, "final": final},
+                "metrics": state.heldout}
+
+    def report(self, metrics: dict, final: bool = False) -> None:
+        """``ray.train.report`` of ``metrics``, with a checkpoint from rank 0."""
+        import ray.train  # the worker's Ray Train context: only inside a Ray Train worker
+
+        state = self.state
+        metrics = {"variant": self.variant, "step": state.step, "total_steps": self.total_steps,
+                   "tokens": state.tokens, "train_seconds": state.train_seconds, "cpu_seconds": state.cpu_seconds,
+                   "attempt": len(state.attempts), "done": final, **metrics}
+        if self.rank != 0:
+            ray.train.report(metrics, checkpoint=None)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            _save_checkpoint(Path(directory), self.module, self.optimizer, state, self.fingerprint, self.extra(final),
+                             self.config.get("trained_prompts"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                             checkpoint_dir_name=f"checkpoint_step{state.step:07d}")
+
+
+_EMPTY_WINDOW = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
+
+
 def train_loop_per_worker(config: dict) -> dict:
     """Train one drafter variant on this worker's shard (see module docstring); returns the
-    final metrics on rank 0."""
-    import ray.train
-    import ray.train.torch
-    from ray.train import Checkpoint
+    final metrics on rank 0.
 
+    The loop: :func:`_setup` (the drafter and optimizer, fresh or from the checkpoint), then per
+    epoch one :func:`_train_step` per batch (:func:`_train_epoch` skips the steps a resumed run
+    already trained and logs and checkpoints between steps), then :func:`_end_epoch` (held-out
+    evaluation, the epoch's checkpoint)."""
     _quiet_report_logs()
+    worker = _setup(config)
+    if worker.state.step:
+        worker.log(f"resumed at step {worker.state.step}/{worker.total_steps} (attempt {len(worker.state.attempts)})")
+    for epoch in range(worker.state.step // worker.per_epoch, worker.total_epochs):
+        objective = _stage_objective(worker, epoch)
+        _train_epoch(worker, epoch, objective)
+        _end_epoch(worker, epoch, objective)
+    worker.metrics_log.close()
+    return {"step": worker.state.step, **worker.state.heldout} if worker.rank == 0 else {}
+
+
+def _setup(config: dict) -> _Worker:
+    """The worker's :class:`_Worker`: the drafter from the last checkpoint (with its optimizer and
+    progress) or freshly initialised, wrapped by Ray Train; the data shard and held-out rows."""
+    import ray.train  # the worker's Ray Train context: only inside a Ray Train worker
+    import ray.train.torch
+
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     variant = config["variant"]
@@ -377,113 +477,109 @@ def train_loop_per_worker(config: dict) -> dict:
     metrics_log.truncate(state.step)
     state.attempts.append({"start_step": state.step, "time": time.time()})
 
-    stages = plan_stages(train, objective.algorithm)
-    total_epochs = sum(s.epochs for s in stages)
-    per_epoch = steps_per_epoch(int(config["train_rows"]), world, train.batch_size)
-    total_steps = total_epochs * per_epoch
-    fail_at = faults.fail_at_step(config.get("fail_at_step") or os.environ.get(faults.TRAIN_ENV), variant)
-    marker = Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
-    heldout = heldout_rows(_resolve(config.get("heldout")), hidden_size)
-    pooled = list(config.get("datasets") or [])
-    shard = ShardRows(ray.train.get_dataset_shard("train"), bool(config.get("cache_rows", False)))
+    return _Worker(
+        config=config, rank=rank, world=world, variant=variant, train=train, objective=objective, device=device,
+        embed=embed, head=head, fingerprint=fingerprint, metrics_log=metrics_log, state=state, module=module,
+        model=model, optimizer=optimizer, generator=generator, stages=plan_stages(train, objective.algorithm),
+        per_epoch=steps_per_epoch(int(config["train_rows"]), world, train.batch_size),
+        fail_at=faults.fail_at_step(config.get("fail_at_step") or os.environ.get(faults.TRAIN_ENV), variant),
+        marker=Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}"),
+        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
+        heldout=heldout_rows(_resolve(config.get("heldout")), hidden_size),
+        pooled=list(config.get("datasets") or []),
+        shard=ShardRows(ray.train.get_dataset_shard("train"), bool(config.get("cache_rows", False))))
 
-    def extra(final: bool) -> dict:
-        return {**config.get("meta", {}), "name": variant, "algorithm": objective.algorithm,
-                "objective": objective.model_dump(), "train": train.model_dump(),
-                "training": {"step": state.step, "total_steps": total_steps, "epochs": total_epochs,
-                             "tokens": state.tokens, "train_seconds": round(state.train_seconds, 2),
-                             "cpu_seconds": round(state.cpu_seconds, 2),
-                             "attempts": state.attempts, "final": final},
-                "metrics": state.heldout}
 
-    def report(metrics: dict, final: bool = False) -> None:
-        metrics = {"variant": variant, "step": state.step, "total_steps": total_steps, "tokens": state.tokens,
-                   "train_seconds": state.train_seconds, "cpu_seconds": state.cpu_seconds,
-                   "attempt": len(state.attempts), "done": final, **metrics}
-        if rank != 0:
-            ray.train.report(metrics, checkpoint=None)
-            return
-        with tempfile.TemporaryDirectory() as directory:
-            _save_checkpoint(Path(directory), module, optimizer, state, fingerprint, extra(final),
-                             config.get("trained_prompts"))
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory),
-                             checkpoint_dir_name=f"checkpoint_step{state.step:07d}")
+def _stage_objective(worker: _Worker, epoch: int) -> ObjectiveConfig:
+    """The objective of ``epoch``'s stage (its ``topk_weight`` when the stage sets one)."""
+    stage = stage_of(worker.stages, epoch)
+    if stage.topk_weight is None:
+        return worker.objective
+    return worker.objective.model_copy(update={"topk_weight": stage.topk_weight})
 
-    def log(line: str) -> None:
-        if rank == 0:
-            sys.stdout.write(f"[{variant}] {line}\n")
-            sys.stdout.flush()
 
-    if state.step:
-        log(f"resumed at step {state.step}/{total_steps} (attempt {len(state.attempts)})")
-    window = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
-    last: dict[str, float] = {}
-    for epoch in range(state.step // per_epoch, total_epochs):
-        stage = stage_of(stages, epoch)
-        stage_objective = objective if stage.topk_weight is None else objective.model_copy(
-            update={"topk_weight": stage.topk_weight})
-        stage_steps = stage.epochs * per_epoch
-        skip = state.step - epoch * per_epoch
-        batches = epoch_batches(shard, train.batch_size, train.shuffle_buffer, train.seed, epoch, rank)
-        for index, rows in enumerate(batches):
-            if index >= per_epoch:
-                break
-            if index < skip:
-                continue
-            faults.train_step_fault(fail_at, state.step + 1, marker, variant)
-            started, cpu_started = time.perf_counter(), time.process_time()
-            batch = {k: v.to(device, non_blocking=True) for k, v in
-                     collate(rows, hidden_size, train.max_tokens).items()}
-            lr = lr_at(state.step - stage.first_epoch * per_epoch, stage_steps, stage.lr, train.warmup_steps,
-                       train.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            generator.manual_seed(noise_seed(train.seed, rank, state.step))
-            with autocast:
-                out = drafter_loss(model, batch, embed, head, stage_objective, generator=generator)
-            optimizer.zero_grad(set_to_none=True)
-            out.total.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), train.grad_clip))
-            optimizer.step()
-            tokens = int(batch["attention_mask"].sum())
-            state.step += 1
-            state.tokens += tokens
-            seconds = time.perf_counter() - started
-            state.train_seconds += seconds
-            state.cpu_seconds += time.process_time() - cpu_started
-            window["seconds"] += seconds
-            window["loss"] += out.parts["loss"]
-            window["acc1"] += out.top1_acc[0] if not math.isnan(out.top1_acc[0]) else 0.0
-            window["steps"] += 1
-            window["tokens"] += tokens
-            epoch_end = index + 1 == per_epoch
-            if state.step % train.log_every == 0 or epoch_end:
-                last = {"loss": window["loss"] / window["steps"], "train_acc1": window["acc1"] / window["steps"],
-                        "lr": lr, "grad_norm": grad_norm,
-                        "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9)}
-                metrics_log.append({"kind": "train", "step": state.step, "epoch": epoch + 1,
-                                    "time": time.time(), **last})
-                log(f"step {state.step}/{total_steps} epoch {epoch + 1}/{total_epochs} loss {last['loss']:.4f} "
-                    f"acc1 {last['train_acc1']:.3f} lr {lr:.2e} {last['tokens_per_s']:.0f} tok/s")
-                window = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
-            if state.step % train.checkpoint_every == 0 and not epoch_end:
-                report({"epoch": epoch + 1, **last})
-        if state.last_eval_epoch < epoch:
-            module.eval()
-            with autocast:
-                state.heldout = evaluate(module, heldout, embed, head, stage_objective, train.eval_depth,
-                                         train.batch_size, hidden_size, pooled, device, rank, world)
-            module.train()
-            state.last_eval_epoch = epoch
-            metrics_log.append({"kind": "eval", "step": state.step, "epoch": epoch + 1, "time": time.time(),
-                                **state.heldout})
-            log(f"epoch {epoch + 1}/{total_epochs} held-out " + " | ".join(
-                f"{name}: acc " + "/".join(f"{state.heldout[f'heldout/{name}/acc{k}']:.2f}"
-                                           for k in range(1, train.eval_depth + 1))
-                + f" tau {state.heldout[f'heldout/{name}/tau']:.2f}"
-                for name in sorted(heldout)))
-        report({"epoch": epoch + 1, **last, **state.heldout}, final=epoch + 1 == total_epochs)
-    metrics_log.close()
-    return {"step": state.step, **state.heldout} if rank == 0 else {}
+def _train_epoch(worker: _Worker, epoch: int, objective: ObjectiveConfig) -> None:
+    """The steps of ``epoch``: its batches in their seeded order, those a resumed run already trained
+    skipped undecoded; a train log line every ``log_every`` steps, a checkpoint every ``checkpoint_every``."""
+    state, train, per_epoch = worker.state, worker.train, worker.per_epoch
+    skip = state.step - epoch * per_epoch
+    batches = epoch_batches(worker.shard, train.batch_size, train.shuffle_buffer, train.seed, epoch, worker.rank)
+    for index, rows in enumerate(batches):
+        if index >= per_epoch:
+            break
+        if index < skip:
+            continue
+        faults.train_step_fault(worker.fail_at, state.step + 1, worker.marker, worker.variant)
+        lr, grad_norm = _train_step(worker, rows, epoch, objective)
+        epoch_end = index + 1 == per_epoch
+        if state.step % train.log_every == 0 or epoch_end:
+            _log_window(worker, epoch, lr, grad_norm)
+        if state.step % train.checkpoint_every == 0 and not epoch_end:
+            worker.report({"epoch": epoch + 1, **worker.last})
 
+
+def _train_step(worker: _Worker, rows: list[dict], epoch: int, objective: ObjectiveConfig) -> tuple[float, float]:
+    """One optimizer step on ``rows`` at the scheduled learning rate, with the step's seeded feature
+    noise; progress and the metrics window updated. Returns (lr, grad norm)."""
+    state, train, window = worker.state, worker.train, worker.window
+    stage = stage_of(worker.stages, epoch)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    batch = {k: v.to(worker.device, non_blocking=True) for k, v in
+             collate(rows, worker.hidden_size, train.max_tokens).items()}
+    lr = lr_at(state.step - stage.first_epoch * worker.per_epoch, stage.epochs * worker.per_epoch, stage.lr,
+               train.warmup_steps, train.schedule)
+    for group in worker.optimizer.param_groups:
+        group["lr"] = lr
+    worker.generator.manual_seed(noise_seed(train.seed, worker.rank, state.step))
+    with worker.autocast:
+        out = drafter_loss(worker.model, batch, worker.embed, worker.head, objective, generator=worker.generator)
+    worker.optimizer.zero_grad(set_to_none=True)
+    out.total.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(worker.module.parameters(), train.grad_clip))
+    worker.optimizer.step()
+    tokens = int(batch["attention_mask"].sum())
+    state.step += 1
+    state.tokens += tokens
+    seconds = time.perf_counter() - started
+    state.train_seconds += seconds
+    state.cpu_seconds += time.process_time() - cpu_started
+    window["seconds"] += seconds
+    window["loss"] += out.parts["loss"]
+    window["acc1"] += out.top1_acc[0] if not math.isnan(out.top1_acc[0]) else 0.0
+    window["steps"] += 1
+    window["tokens"] += tokens
+    return lr, grad_norm
+
+
+def _log_window(worker: _Worker, epoch: int, lr: float, grad_norm: float) -> None:
+    """The train metrics since the last log line: into ``metrics.jsonl`` and ``last``, one line printed."""
+    window, state = worker.window, worker.state
+    worker.last = last = {"loss": window["loss"] / window["steps"], "train_acc1": window["acc1"] / window["steps"],
+                          "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9)}
+    worker.metrics_log.append({"kind": "train", "step": state.step, "epoch": epoch + 1, "time": time.time(), **last})
+    worker.log(f"step {state.step}/{worker.total_steps} epoch {epoch + 1}/{worker.total_epochs} loss "
+               f"{last['loss']:.4f} acc1 {last['train_acc1']:.3f} lr {lr:.2e} {last['tokens_per_s']:.0f} tok/s")
+    worker.window = dict(_EMPTY_WINDOW)
+
+
+def _end_epoch(worker: _Worker, epoch: int, objective: ObjectiveConfig) -> None:
+    """Evaluate on the held-out rows (once per epoch, also across restarts), then report the epoch with
+    its checkpoint (the final one after the last epoch)."""
+    state, train = worker.state, worker.train
+    if state.last_eval_epoch < epoch:
+        worker.module.eval()
+        with worker.autocast:
+            state.heldout = evaluate(worker.module, worker.heldout, worker.embed, worker.head, objective,
+                                     train.eval_depth, train.batch_size, worker.hidden_size, worker.pooled,
+                                     worker.device, worker.rank, worker.world)
+        worker.module.train()
+        state.last_eval_epoch = epoch
+        worker.metrics_log.append({"kind": "eval", "step": state.step, "epoch": epoch + 1, "time": time.time(),
+                                   **state.heldout})
+        worker.log(f"epoch {epoch + 1}/{worker.total_epochs} held-out " + " | ".join(
+            f"{name}: acc " + "/".join(f"{state.heldout[f'heldout/{name}/acc{k}']:.2f}"
+                                       for k in range(1, train.eval_depth + 1))
+            + f" tau {state.heldout[f'heldout/{name}/tau']:.2f}"
+            for name in sorted(worker.heldout)))
+    worker.report({"epoch": epoch + 1, **worker.last, **state.heldout}, final=epoch + 1 == worker.total_epochs)
