@@ -10,12 +10,9 @@ the target's frozen tensors), ``draft_to_target`` (list of target ids or None), 
 ``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``,
 ``trained_prompts`` (optional: written as the drafter's ``trained_prompts.json``).
 
-Data. Dataset ``train`` (split over workers; Ray Data order preserved, so a shard's row sequence is
-the same after a restart) has the feature columns plus ``dataset``; each epoch it is read once
-(or replayed from memory with ``cache_rows``) and shuffled in windows of ``shuffle_buffer`` rows by a
-generator seeded with (seed, epoch, rank). Every worker runs ``ceil((train_rows // world) /
-batch_size)`` steps per epoch. Each rank evaluates every ``world``-th held-out batch and the sums
-are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
+Data (:mod:`taps_ray.train.batches`): each worker reads its shard of dataset ``train`` once per
+epoch in a seeded order and runs the same number of steps per epoch. Each rank evaluates every
+``world``-th held-out batch and the sums are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
 step), so it needs no saved state and a resumed run draws exactly what an uninterrupted one would.
 
 Checkpoints (rank 0; every ``checkpoint_every`` steps and at each epoch end, after the held-out
@@ -38,7 +35,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,10 +45,10 @@ import torch
 from taps_ray import faults
 from taps_ray.config import ObjectiveConfig, TrainConfig
 from taps_ray.data.contamination import write_trained_prompts
-from taps_ray.data.features import decode_row
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetFingerprint
 from taps_ray.runstate import append_jsonl, read_jsonl, write_jsonl
+from taps_ray.train.batches import ShardRows, collate, epoch_batches, heldout_rows, steps_per_epoch
 from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
 
@@ -96,64 +92,6 @@ def lr_at(step: int, stage_steps: int, peak: float, warmup: int, schedule: str) 
     if schedule == "cosine":
         return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
     return peak * (1.0 - progress)
-
-
-def steps_per_epoch(train_rows: int, world: int, batch_size: int) -> int:
-    """Optimizer steps per epoch of each worker (a shard holds ``train_rows // world`` rows)."""
-    rows = train_rows // world
-    if rows < 1:
-        raise ValueError(f"{train_rows} training rows cannot feed {world} workers")
-    return math.ceil(rows / batch_size)
-
-
-def epoch_batches(rows: Iterable[dict], batch_size: int, buffer: int, seed: int, epoch: int, rank: int
-                  ) -> Iterator[list[dict]]:
-    """Batches of ``batch_size`` rows (the last may be short) in a seeded order.
-
-    Rows are gathered in windows of ``buffer`` rows; each window (with the rows left over from the
-    previous one) is permuted by a generator seeded with (seed, epoch, rank). For the same input
-    sequence the batches are identical; a buffer >= the shard is a full per-epoch permutation.
-    """
-    rng = np.random.default_rng([seed, epoch, rank])
-    pending: list[dict] = []
-
-    def emit(final: bool) -> Iterator[list[dict]]:
-        nonlocal pending
-        pending = [pending[i] for i in rng.permutation(len(pending))]
-        cut = len(pending) if final else len(pending) // batch_size * batch_size
-        for start in range(0, cut, batch_size):
-            yield pending[start:start + batch_size]
-        pending = pending[cut:]
-
-    for row in rows:
-        pending.append(row)
-        if len(pending) >= buffer:
-            yield from emit(final=False)
-    if pending:
-        yield from emit(final=True)
-
-
-def collate(rows: list[dict], hidden_size: int, max_tokens: int | None = None,
-            hidden_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Right-padded batch from feature rows (raw Parquet rows or :func:`decode_row` output).
-
-    Returns ``input_ids`` Long[B, T], ``hidden`` [B, T, H] (``hidden_dtype``), ``loss_mask``
-    Float[B, T], ``attention_mask`` Long[B, T]; T is the longest row (after cropping rows to
-    ``max_tokens``); padding is 0.
-    """
-    decoded = [r if isinstance(r.get("hidden"), torch.Tensor) else decode_row(r, hidden_size) for r in rows]
-    lengths = [min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for r in decoded]
-    batch, longest = len(decoded), max(lengths)
-    input_ids = torch.zeros(batch, longest, dtype=torch.long)
-    loss_mask = torch.zeros(batch, longest, dtype=torch.float32)
-    attention_mask = torch.zeros(batch, longest, dtype=torch.long)
-    hidden = torch.zeros(batch, longest, hidden_size, dtype=hidden_dtype)
-    for i, (row, n) in enumerate(zip(decoded, lengths)):
-        input_ids[i, :n] = row["input_ids"][:n]
-        loss_mask[i, :n] = row["loss_mask"][:n]
-        attention_mask[i, :n] = 1
-        hidden[i, :n] = row["hidden"][:n].to(hidden_dtype)
-    return {"input_ids": input_ids, "hidden": hidden, "loss_mask": loss_mask, "attention_mask": attention_mask}
 
 
 class MetricsLog:
@@ -276,39 +214,6 @@ def _resolve(value):
 def _target_weights(config: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     weights = _resolve(config["weights"])
     return weights["embed"].to(device), weights["lm_head"].to(device)
-
-
-def heldout_rows(tables: dict | None, hidden_size: int) -> dict[str, list[dict]]:
-    """Decoded held-out rows per dataset from pyarrow feature tables per dataset."""
-    rows: dict[str, list[dict]] = {}
-    for name, table in (tables or {}).items():
-        for row in table.to_pylist():
-            for key in ("input_ids", "loss_mask"):
-                if isinstance(row[key], dict):
-                    row[key] = row[key]["data"]
-            rows.setdefault(name, []).append(decode_row(row, hidden_size))
-    return rows
-
-
-class ShardRows:
-    """The rows of a dataset shard, read from Ray Data each epoch or, with ``cache``, once and then
-    replayed from memory in the same order."""
-
-    def __init__(self, shard, cache: bool):
-        self.shard, self.cache = shard, cache
-        self.rows: list[dict] | None = None
-
-    def __iter__(self) -> Iterator[dict]:
-        if self.rows is not None:
-            yield from self.rows
-            return
-        seen: list[dict] = []
-        for row in self.shard.iter_rows():
-            if self.cache:
-                seen.append(row)
-            yield row
-        if self.cache:
-            self.rows = seen
 
 
 def _save_checkpoint(directory: Path, module: DraftHead, optimizer: torch.optim.Optimizer, state: TrainState,
