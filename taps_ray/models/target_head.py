@@ -27,7 +27,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from taps_ray import artifacts
 from taps_ray.config import TargetConfig
 from taps_ray.models.target import (
     EMBEDDED_PREFIX,
@@ -37,6 +36,7 @@ from taps_ray.models.target import (
     _embedded_hf_folder,
     dtype_reason,
     embed_hash,
+    embedded_name,
     resolve_device_dtype,
 )
 
@@ -178,10 +178,7 @@ def load_target_head(cfg: TargetConfig | None = None) -> TargetHead:
     start = time.perf_counter()
     source = cfg.model
     if source.startswith(EMBEDDED_PREFIX):
-        key = source[len(EMBEDDED_PREFIX):]
-        if key not in artifacts.EMBEDDED or not key.startswith("smollm2"):
-            raise TargetLoadError(f"unknown embedded target {source!r}; valid: embedded:smollm2-135m")
-        where: str | Path = _embedded_hf_folder(key)
+        where: str | Path = _embedded_hf_folder(embedded_name(source))
         get = _folder_file(where)
     elif source.endswith(".gguf"):
         return _full_model_head(cfg, "a GGUF file has no per-tensor safetensors index")
