@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -88,6 +90,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def served_app(cfg, name: str, reference: Callable[[], object]) -> Iterator[tuple[str, object]]:
+    """The serving application of ``cfg`` under ``name`` on a free local port, and ``reference()`` computed
+    while it starts: yields (base URL, reference); the application is deleted and Serve shut down after."""
+    from ray import serve
+
+    from taps_ray.serving.app import application
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    starting = threading.Thread(target=serve.run, args=(application(cfg),),
+                                kwargs={"name": name, "route_prefix": "/", "blocking": False})
+    starting.start()
+    expected = reference()
+    starting.join()
+    try:
+        yield f"http://127.0.0.1:{port}", expected
+    finally:
+        serve.delete(name)
+        serve.shutdown()
 
 
 def metric(text: str, name: str) -> float:

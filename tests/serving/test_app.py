@@ -16,11 +16,11 @@ from openai import OpenAI
 from ray import serve
 
 from taps_ray.config import TreeConfig, load_config
-from taps_ray.serving.app import application, drafter_deployment_name
+from taps_ray.serving.app import drafter_deployment_name
 from taps_ray.spec.decoder import generate, load_drafter
 from taps_ray.spec.protocol import SingleStrategy
-from tests.serving.helpers import free_port as _free_port
 from tests.serving.helpers import metric as _metric
+from tests.serving.helpers import served_app
 
 pytestmark = pytest.mark.integration
 
@@ -50,23 +50,18 @@ def one_thread():
 def served(ray_session, one_thread, embedded_target):
     """The application on a free port, and (computed while it starts) the in-process reference per
     prompt: greedy decoding with the same fresh drafter (seed 0) as drafter ``a``."""
-    port = _free_port()
     cfg = load_config(None, [
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
         "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
         "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
     ])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    starting = threading.Thread(target=serve.run, args=(application(cfg),),
-                                kwargs={"name": APP, "route_prefix": "/", "blocking": False})
-    starting.start()
-    drafter = load_drafter(embedded_target, None, 0)
-    reference = {p: generate(embedded_target, [{"role": "user", "content": p}],
-                             SingleStrategy(drafter, TreeConfig(**TREE)), max_new_tokens=NEW) for p in PROMPTS}
-    starting.join()
-    yield f"http://127.0.0.1:{port}", reference
-    serve.delete(APP)
-    serve.shutdown()
+    def reference() -> dict:
+        drafter = load_drafter(embedded_target, None, 0)
+        return {p: generate(embedded_target, [{"role": "user", "content": p}],
+                            SingleStrategy(drafter, TreeConfig(**TREE)), max_new_tokens=NEW) for p in PROMPTS}
+
+    with served_app(cfg, APP, reference) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
