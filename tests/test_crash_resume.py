@@ -174,8 +174,8 @@ def test_sweep_killed_at_a_random_point_resumes_to_the_same_results(sweep_experi
     rng = random.Random(seed)
     out = tmp / f"killed{seed}"
     env, log = _env(ray_session, tmp / "cache"), tmp / f"sweep{seed}.log"
-    killed = _kill_when(_sweep_cmd(spec, config, out), env, lambda: _started_trials(out), rng.randint(1, 4),
-                        rng.uniform(0, 1.0), log, poll=0.01)
+    killed = _kill_when(_sweep_cmd(spec, config, out), env, lambda: _started_trials(out), rng.randint(1, len(ALPHAS) - 2),
+                        rng.uniform(0, 0.3), log, poll=0.01)
     assert killed and not (out / "results.csv").exists(), "the sweep finished before the kill: nothing was tested"
     _run(_sweep_cmd(spec, config, out), env, log)
     rows, expected = _sweep_rows(out), _sweep_rows(reference)
