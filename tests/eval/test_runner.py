@@ -145,6 +145,7 @@ def test_chat_template_conversation_includes_the_answer(embedded_target):
     assert text.rstrip().endswith("assistant")
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
     calls = Counter()

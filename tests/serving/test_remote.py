@@ -175,6 +175,7 @@ class CountingClient(LocalClient):
         return super().vocabulary()
 
 
+@pytest.mark.slow
 def test_the_verifier_drafts_over_one_support_per_set_of_drafters(bigram, thirds, monkeypatch):
     """Served greedy output equals the in-process strategy's for two drafters of different vocabularies;
     the verifier asks their vocabularies once per set of drafters (any order, any composing plan), and
@@ -340,6 +341,7 @@ def test_lookup_drafts_alone_when_no_drafter_answers_and_stays_lossless(bigram, 
     assert max(s.accepted for s in result.steps) == 5 and len(result.steps) < 40
 
 
+@pytest.mark.slow
 def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
     sessions = {n: DraftSessions(bigram, drafters[n], TREE) for n in ("even", "odd")}
     clients = {n: LocalClient([s]) for n, s in sessions.items()}
