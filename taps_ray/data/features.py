@@ -32,6 +32,7 @@ from taps_ray.data.contamination import (
     read_feature_prompts,
     write_feature_prompts,
 )
+from taps_ray.data.sources import reads_data_dir
 from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import folder_lock, write_json
 
@@ -92,13 +93,15 @@ def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regener
     """Content key of a feature set: target identity, source spec, max_len, regeneration settings.
 
     ``regeneration.batch_size`` only sets throughput, so it is keyed as its default value: changing
-    it reuses the feature set (and keys of sets prepared before this rule stay the same)."""
+    it reuses the feature set (and keys of sets prepared before this rule stay the same). ``$TAPS_DATA_DIR``
+    is keyed only for datasets with an alternative that reads it (:func:`reads_data_dir`): a ShareGPT set
+    is the same set whether or not the variable is set."""
     keyed_regeneration = regeneration.model_copy(update={"batch_size": RegenerationConfig().batch_size})
     payload = {
         "format": FORMAT_VERSION,
         "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},
         "dataset": dataset.model_dump(),
-        "data_dir": os.environ.get("TAPS_DATA_DIR", ""),
+        "data_dir": os.environ.get("TAPS_DATA_DIR", "") if any(map(reads_data_dir, dataset.alternatives)) else "",
         "max_len": max_len,
         "regeneration": keyed_regeneration.model_dump(),
     }

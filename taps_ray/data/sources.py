@@ -556,6 +556,11 @@ def _data_or_spec_path(spec: SourceSpec, relative: str) -> tuple[Path, str]:
     return path, f"$TAPS_DATA_DIR/{relative} ({path})"
 
 
+def reads_data_dir(spec: SourceSpec) -> bool:
+    """Whether ``spec`` reads a file under ``$TAPS_DATA_DIR`` (so the variable is part of its identity)."""
+    return (spec.kind in ("gsm8k_train", "math_train") and not spec.path) or spec.kind == "gsm8k_test_split"
+
+
 def _load_normalised(spec: SourceSpec) -> tuple[_Normalised, str]:
     regenerate = True if spec.regenerate else None
     if spec.kind == "sharegpt":

@@ -120,6 +120,18 @@ def test_incomplete_or_foreign_cache_is_rejected(tmp_path):
         open_feature_set(folder, fp, "chat")
 
 
+def test_feature_key_includes_data_dir_only_for_sources_that_read_it(monkeypatch):
+    fp = {"name": "a", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
+    chat = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}"])
+    math = load_config(None, ["data.datasets={math: {domain: math, alternatives: [{kind: gsm8k_train}, "
+                              "{kind: hf, name: openai/gsm8k}]}}"])
+    monkeypatch.delenv("TAPS_DATA_DIR", raising=False)
+    unset = feature_set_path(chat, "chat", fp), feature_set_path(math, "math", fp)
+    monkeypatch.setenv("TAPS_DATA_DIR", "/somewhere/data")
+    assert feature_set_path(chat, "chat", fp) == unset[0]
+    assert feature_set_path(math, "math", fp) != unset[1]
+
+
 def test_feature_key_depends_on_max_len_and_target(tmp_path):
     cfg = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}"])
     fp = {"name": "a", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
