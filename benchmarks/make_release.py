@@ -3,8 +3,9 @@
     python benchmarks/make_release.py configs/release.yaml --drafter runs/release/drafters/eagle2-math \
         --name math --benchmark gsm8k --benchmark mt_bench --limit 10 --max-new-tokens 128
 
-Writes ``config.json`` + ``model.safetensors`` in bfloat16 (the drafter's own dtype where it
-matters: rotary frequencies are recomputed in fp32 at load), its ``trained_prompts.json``, and a
+Writes ``config.json`` + ``model.safetensors`` with weights stored int8 per output row (the three
+release drafters fit the 20 MB package budget this way; ``--weight-storage plain`` keeps bfloat16;
+either way the head runs in the target's dtype and rotary frequencies are recomputed in fp32 at load), its ``trained_prompts.json``, and a
 ``README.md`` model card: what it was trained on and how (from its config), the command, the
 held-out tau measured here on each benchmark (questions it trained on excluded), the date.
 """
@@ -26,6 +27,7 @@ from taps_ray.eval.bench import drafter_tau
 from taps_ray.models.drafter import DraftHead, read_drafter_meta
 from taps_ray.models.release import RELEASE_DIR
 from taps_ray.models.target import TargetModel
+from taps_ray.models.weight_storage import INT8_ROWWISE, PLAIN, STORAGES
 
 
 def public_meta(meta: dict) -> dict:
@@ -51,13 +53,22 @@ def data_lines(meta: dict) -> str:
     return "\n".join(lines) or "  - see config.json"
 
 
-def model_card(name: str, meta: dict, results: list[dict], cfg, command: str, trained: int, note: str = "") -> str:
+STORAGE_TEXT = {
+    INT8_ROWWISE: "stored as int8 per output row with float32 scales (dequantised at load; the held-out tau "
+                  "below is measured on these weights)",
+    PLAIN: "stored in bfloat16",
+}
+
+
+def model_card(name: str, meta: dict, results: list[dict], cfg, command: str, trained: int, note: str = "",
+               weight_storage: str = PLAIN) -> str:
     training = meta.get("training", {})
     rows = "\n".join(f"| {r['benchmark']} | {r['questions']} | {r['tau']:.2f} |" for r in results)
     return f"""# taps_ray release drafter `release:{name}`
 
 An {meta.get('algorithm', '?').upper()} draft head for the embedded target `{cfg.target.model}`
-(SmolLM2-135M-Instruct), {meta.get('draft_vocab_size', '?')}-token draft vocabulary, stored in bfloat16.
+(SmolLM2-135M-Instruct), {meta.get('draft_vocab_size', '?')}-token draft vocabulary,
+{STORAGE_TEXT[weight_storage]}.
 
 - **Data**:{(" " + note) if note else ""}
 {data_lines(meta)}
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command", default="taps prepare configs/release.yaml && taps train configs/release.yaml",
                         help="the command that trained it (for the card)")
     parser.add_argument("--note", default="", help="a sentence on the data for the card")
+    parser.add_argument("--weight-storage", default=INT8_ROWWISE, choices=STORAGES,
+                        help="how model.safetensors stores the weights (taps_ray.models.weight_storage)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     target = TargetModel.load(cfg.target)
@@ -98,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     seen = union_trained_prompts([source])
     out = RELEASE_DIR / args.name
     extra = {k: v for k, v in meta.items() if k not in ("architecture", "drafter", "draft_vocab_size", "target", "seed")}
-    drafter.to(torch.bfloat16).save(out, target.fingerprint, extra=public_meta(extra))
+    drafter.to(torch.bfloat16).save(out, target.fingerprint, extra=public_meta(extra),
+                                    weight_storage=args.weight_storage)
     if (source / TRAINED_PROMPTS).is_file():
         prompts = json.loads((source / TRAINED_PROMPTS).read_text())
         prompts["sources"] = [str(s).split(" (/")[0] for s in prompts.get("sources", [])]
@@ -106,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     released = DraftHead.load(out, target.config, target.fingerprint, target.device, target.dtype)
     results = [drafter_tau(target, released, cfg.tree, b, args.limit, args.max_new_tokens, seen)
                for b in (args.benchmark or ["gsm8k"])]
-    (out / "README.md").write_text(model_card(args.name, meta, results, cfg, args.command, len(seen), args.note))
+    (out / "README.md").write_text(model_card(args.name, meta, results, cfg, args.command, len(seen), args.note,
+                                                  args.weight_storage))
     size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
     print(json.dumps({"release": f"release:{args.name}", "folder": str(out), "megabytes": round(size, 2),
                       "heldout": results}, indent=1))

@@ -25,6 +25,14 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetFingerprint
+from taps_ray.models.weight_storage import (
+    INT8_ROWWISE,
+    PLAIN,
+    STORAGES,
+    WeightStorageError,
+    dequantize,
+    quantize_int8_rowwise,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -205,10 +213,14 @@ class DraftHead(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
-    def save(self, directory: str | Path, fingerprint: TargetFingerprint, extra: dict | None = None) -> Path:
+    def save(self, directory: str | Path, fingerprint: TargetFingerprint, extra: dict | None = None,
+             weight_storage: str = PLAIN) -> Path:
         """Write ``config.json`` + ``model.safetensors`` atomically (via a uniquely named partial folder
-        beside it). An existing ``directory`` is replaced only when it is empty or a drafter checkpoint
-        (:func:`is_drafter_checkpoint`); anything else raises :class:`DrafterSaveError`, untouched."""
+        beside it), weights stored as ``weight_storage`` (:mod:`taps_ray.models.weight_storage`). An existing
+        ``directory`` is replaced only when it is empty or a drafter checkpoint (:func:`is_drafter_checkpoint`);
+        anything else raises :class:`DrafterSaveError`, untouched."""
+        if weight_storage not in STORAGES:
+            raise WeightStorageError(f"weight_storage {weight_storage!r} is not one of {', '.join(STORAGES)}")
         directory = Path(directory)
         if directory.exists() and not is_drafter_checkpoint(directory) and (
                 not directory.is_dir() or any(directory.iterdir())):
@@ -217,7 +229,7 @@ class DraftHead(nn.Module):
         partial = directory.with_name(f".{directory.name}.partial.{os.getpid()}.{secrets.token_hex(4)}")
         partial.mkdir(parents=True)
         try:
-            self._write(partial, fingerprint, extra)
+            self._write(partial, fingerprint, extra, weight_storage)
             if directory.exists():
                 shutil.rmtree(directory)
             os.replace(partial, directory)
@@ -225,8 +237,10 @@ class DraftHead(nn.Module):
             shutil.rmtree(partial, ignore_errors=True)
         return directory
 
-    def _write(self, partial: Path, fingerprint: TargetFingerprint, extra: dict | None) -> None:
+    def _write(self, partial: Path, fingerprint: TargetFingerprint, extra: dict | None, weight_storage: str) -> None:
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state().items()}
+        if weight_storage == INT8_ROWWISE:
+            tensors = quantize_int8_rowwise(tensors)
         if self.draft_to_target is not None:
             tensors["draft_to_target"] = self.draft_to_target.cpu()
         save_file(tensors, str(partial / WEIGHTS_NAME))
@@ -238,6 +252,7 @@ class DraftHead(nn.Module):
             "seed": self.seed,
             **self.metadata,
             **(extra or {}),
+            **({} if weight_storage == PLAIN else {"weight_storage": weight_storage}),
         }
         (partial / CONFIG_NAME).write_text(json.dumps(meta, indent=1, default=str))
 
@@ -273,8 +288,12 @@ class DraftHead(nn.Module):
             tensors = load_file(str(directory / WEIGHTS_NAME))
         except Exception as err:  # safetensors raises several types for truncated/corrupt files
             raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {WEIGHTS_NAME}: {err}") from err
+        try:
+            tensors = dequantize(tensors, meta.get("weight_storage", PLAIN))
+        except WeightStorageError as err:
+            raise DrafterLoadError(f"drafter {str(directory)!r}: {err}") from None
         d2t = tensors.pop("draft_to_target", None)
-        keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed"}
+        keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed", "weight_storage"}
         if d2t is not None:
             try:
                 d2t = check_draft_vocabulary(d2t, fingerprint.vocab_size)
