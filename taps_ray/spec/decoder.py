@@ -20,6 +20,7 @@ from taps_ray.config import SamplingConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
+from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
 from taps_ray.spec.tree import DraftTree, check_distinct_siblings, repeated_siblings
@@ -35,7 +36,9 @@ from taps_ray.spec.verify import (
 
 @dataclass
 class GenerationResult:
-    """``token_ids`` generated (EOS kept when hit), ``finish_reason`` eos | length | context."""
+    """``token_ids`` generated (EOS kept when hit), ``finish_reason`` eos | length | context;
+    ``logprobs`` (only when asked): each generated token's raw log-probability under the target and
+    the top alternatives (:mod:`taps_ray.spec.logprobs`), on the CPU."""
 
     token_ids: list[int]
     text: str | None
@@ -45,6 +48,7 @@ class GenerationResult:
     prefill_s: float
     total_s: float
     steps: list[StepRecord] = field(default_factory=list)
+    logprobs: TokenLogprobs | None = None
 
     @property
     def tau(self) -> float:
@@ -133,11 +137,14 @@ class _Request:
     generator: torch.Generator | None
     collect_entropy: bool
     timer: Callable[[], float]
+    top: int | None = None
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None
     prompt_len: int = 0
     length: int = 0
     tokens: torch.Tensor | None = None
     cache: object = None
     steps: list[StepRecord] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +157,16 @@ class _Request:
         probs = process_logits(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
+    def record_logprobs(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keep the logprobs of the committed ``tokens`` [n] from the target's ``rows`` [n, V] (the
+        distributions they were drawn from) and hand them to ``on_logprobs``; nothing when not asked."""
+        if self.top is None:
+            return
+        part = token_logprobs(rows, tokens, self.top)
+        self.logprobs.append(part)
+        if self.on_logprobs is not None:
+            self.on_logprobs(part)
+
 
 @torch.inference_mode()
 def generate(
@@ -161,6 +178,8 @@ def generate(
     eos_token_ids: set[int] | frozenset[int] | None = None,
     collect_entropy: bool = True,
     timer: Callable[[], float] = time.perf_counter,
+    logprobs: int | None = None,
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
 
@@ -171,11 +190,18 @@ def generate(
     ``timer`` clocks the recorded times (``time.process_time`` gives CPU time, which other load
     on a shared machine barely inflates when torch runs one thread).
 
+    ``logprobs`` (None: off, at no cost; else the number of alternatives, 0..20) returns each
+    generated token's raw log-probability under the target with the top alternatives
+    (``result.logprobs``), sliced from the logits the verification forward already computed (no
+    extra forward pass); ``on_logprobs`` receives them as they are committed, the first token's
+    before ``strategy.start`` and each step's before ``strategy.advance``.
+
     The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
     :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
     :func:`_result`.
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
+    request.top, request.on_logprobs = check_top(logprobs), on_logprobs
     start = timer()
     finish = _prefill(request, ids)
     prefill_s = timer() - start
@@ -213,6 +239,7 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     tokens[:prompt_len] = ids
     tokens[prompt_len:prompt_len + 1] = request.choose(out.logits[0, -1:])
     request.length = prompt_len + 1
+    request.record_logprobs(out.logits[0, -1:], tokens[prompt_len:prompt_len + 1])
     if bool(torch.isin(tokens[prompt_len], request.eos)):
         return "eos"
     if max_new_tokens == 1:
@@ -232,24 +259,27 @@ def _step(request: _Request) -> str | None:
                                                 len(request.steps)))
     t1 = request.timer()
     if tree is None:
-        new, features, record = _plain_step(request, r)
+        new, features, rows, record = _plain_step(request, r)
     else:
-        new, features, record = _tree_step(request, tree, r)
-    return _append(request, new, features, record, t0, t1)
+        new, features, rows, record = _tree_step(request, tree, r)
+    return _append(request, new, features, rows, record, t0, t1)
 
 
-def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One target forward on the last token: (the next token, its feature, the step's record fields)."""
+def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """One target forward on the last token: (the next token, its feature, the target's logits it was
+    drawn from, the step's record fields)."""
     target = request.target
     positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
     out = target.forward(request.tokens[r:request.length][None], positions, request.cache)
     new = request.choose(out.logits[0])
-    return new, out.hidden[0], {"accepted": 0, "tree_size": 1, "tree_depth": 0, "rejected": False}
+    return new, out.hidden[0], out.logits[0], {"accepted": 0, "tree_size": 1, "tree_depth": 0, "rejected": False}
 
 
-def _tree_step(request: _Request, tree: DraftTree, r: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _tree_step(request: _Request, tree: DraftTree,
+               r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
     """Verify ``tree`` (cut to the context left) and compact the KV cache to the accepted path:
-    (the accepted tokens and the bonus, their features, the step's record fields)."""
+    (the accepted tokens and the bonus, their features, the target's logits [k + 1, V] at the path's
+    nodes, which they were drawn from (None unless logprobs are asked), the step's record fields)."""
     target, strategy, sampling = request.target, request.strategy, request.sampling
     if tree.prefix_len != r:
         raise RuntimeError(f"strategy {strategy.name!r} drafted from prefix length {tree.prefix_len}, "
@@ -276,18 +306,22 @@ def _tree_step(request: _Request, tree: DraftTree, r: int) -> tuple[torch.Tensor
         record.update(_entropies(tree, logits, verdict))
     if tree.meta:
         record["meta"] = tree.meta
-    return verdict.tokens, out.hidden[0, verdict.path], record
+    rows = logits[verdict.path] if request.top is not None else None
+    return verdict.tokens, out.hidden[0, verdict.path], rows, record
 
 
-def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, record: dict, t0: float,
-            t1: float) -> str | None:
-    """Append ``new`` up to its first EOS and the token budget, record the step, and advance the
-    strategy; the finish reason (eos | length) when the request ends here."""
+def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: torch.Tensor | None,
+            record: dict, t0: float, t1: float) -> str | None:
+    """Append ``new`` up to its first EOS and the token budget (and the logprobs of those from
+    ``rows``), record the step, and advance the strategy; the finish reason (eos | length) when the
+    request ends here."""
     is_eos = torch.isin(new, request.eos)
     first_eos = int(torch.where(is_eos.any(), is_eos.int().argmax(), new.numel()))
     keep = min(new.numel(), request.max_new_tokens - (request.length - request.prompt_len), first_eos + 1)
     request.tokens[request.length:request.length + keep] = new[:keep]
     request.length += keep
+    if rows is not None:
+        request.record_logprobs(rows[:keep], new[:keep])
     request.steps.append(StepRecord(appended=keep, draft_s=t1 - t0, verify_s=request.timer() - t1, **record))
     if first_eos < new.numel() and keep == first_eos + 1:
         return "eos"
@@ -301,9 +335,10 @@ def _result(request: _Request, finish: str, prefill_s: float, total_s: float) ->
     target, prompt_len = request.target, request.prompt_len
     generated = request.tokens[prompt_len:request.length].tolist()
     text = target.tokenizer.decode(generated, skip_special_tokens=True) if target.tokenizer is not None else None
+    logprobs = None if request.top is None else TokenLogprobs.cat(request.logprobs, request.top).cpu()
     return GenerationResult(token_ids=generated, text=text, prompt_len=prompt_len, finish_reason=finish,
                             strategy=request.strategy.name, prefill_s=prefill_s, total_s=total_s,
-                            steps=request.steps)
+                            steps=request.steps, logprobs=logprobs)
 
 
 def _entropies(tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> dict:
