@@ -10,8 +10,8 @@ Each benchmark is read from the first place that has it:
 
 Outside MT-Bench, ``question_id`` is the 0-based row index and ``category`` the benchmark
 name, whatever the origin, so ids agree across origins. Malformed rows are a
-:class:`~taps_ray.data.sources.SourceError` naming ``file:line``; when no origin works,
-:class:`~taps_ray.data.sources.SourceUnavailable` lists why each failed.
+:class:`~taps_ray.data.origins.SourceError` naming ``file:line``; when no origin works,
+:class:`~taps_ray.data.origins.SourceUnavailable` lists why each failed.
 """
 
 from __future__ import annotations
@@ -24,15 +24,9 @@ from typing import Any
 
 from taps_ray import artifacts
 from taps_ray.data.contamination import question_hashes
-from taps_ray.data.sources import (
-    JsonRecordReader,
-    SourceError,
-    SourceUnavailable,
-    data_dir,
-    hf_label,
-    load_hf_dataset,
-    seeded_subset,
-)
+from taps_ray.data.json_records import JsonRecordReader
+from taps_ray.data.origins import SourceError, SourceUnavailable, data_dir, hf_label, load_hf_dataset
+from taps_ray.data.sources import seeded_subset
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +186,7 @@ def _load_all(name: str) -> tuple[list[BenchmarkQuestion], str]:
 def benchmark_questions(name: str) -> tuple[list[BenchmarkQuestion], str]:
     """Every question of benchmark ``name`` in file order, and where they came from.
 
-    Raises ``ValueError`` for an unknown name, :class:`~taps_ray.data.sources.SourceUnavailable`
+    Raises ``ValueError`` for an unknown name, :class:`~taps_ray.data.origins.SourceUnavailable`
     when no origin has it.
     """
     _check_name(name)

@@ -44,15 +44,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import logging
-import os
 import random
-import re
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,49 +55,37 @@ from typing import Any
 from taps_ray import artifacts
 from taps_ray.config import DatasetConfig, SourceSpec
 from taps_ray.data.contamination import GSM8K_TRAIN_POOL_PERCENT, in_gsm8k_training_pool
+from taps_ray.data.conversations import (
+    Conversation,
+    Normalised,
+    gsm8k_row,
+    normalise,
+    required_fields,
+    row_to_conversation,
+)
+from taps_ray.data.json_records import JsonRecordReader
+from taps_ray.data.origins import (
+    SourceError,
+    SourceUnavailable,
+    data_file,
+    existing_file,
+    hf_label,
+    load_hf_dataset,
+)
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
-Conversation = list[Message]
-
-ROLE_ALIASES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-}
 MATHINSTRUCT_HF_ID = "TIGER-Lab/MathInstruct"
 REASONING_GYM_PER_TASK = 1000
-HUB_PROBE_TIMEOUT_S = 3.0
-HUB_PROBE_TTL_S = 300.0
-COUNT_KEYS = ("read", "valid", "kept", "skipped_empty", "skipped_roleless", "skipped_order",
-              "skipped_malformed", "empty_turns_dropped")
-_CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
-_TRUE_ENV = ("1", "true", "yes", "on")
-
-
-class SourceError(ValueError):
-    """Source data is malformed or unusable; the message names the file and line (or row)."""
-
-
-class SourceUnavailable(RuntimeError):
-    """A source cannot be obtained here (file or data dir missing, hub unreachable, package
-    missing); the message gives the reason. Alternatives fall through on this error only."""
 
 
 @dataclass
 class SourceResult:
     """Normalised conversations of one source plus what happened on the way.
 
-    ``counts`` has every key of :data:`COUNT_KEYS`: ``read`` rows read, ``valid`` rows that
-    survived cleaning, ``kept`` rows returned after ``limit``, and the per-rule skip counts.
-    ``truncated_at_line`` is set when a JSON array ended mid-record (the partial tail is
+    ``counts`` has every key of :data:`~taps_ray.data.conversations.COUNT_KEYS`: ``read`` rows read,
+    ``valid`` rows that survived cleaning, ``kept`` rows returned after ``limit``, and the per-rule skip
+    counts. ``truncated_at_line`` is set when a JSON array ended mid-record (the partial tail is
     ignored). ``skipped_alternatives`` lists why earlier alternatives of a dataset were passed over.
     """
 
@@ -118,272 +101,6 @@ class SourceResult:
     def skipped(self) -> dict[str, int]:
         """Non-zero ``skipped_*`` counts."""
         return {k: v for k, v in self.counts.items() if k.startswith("skipped_") and v}
-
-
-def data_dir() -> Path | None:
-    """``$TAPS_DATA_DIR`` as a path, or None when unset."""
-    value = os.environ.get("TAPS_DATA_DIR")
-    return Path(value) if value else None
-
-
-def data_file(relative: str) -> Path:
-    """A file under ``$TAPS_DATA_DIR``; :class:`SourceUnavailable` if the variable is unset or the file is missing."""
-    root = data_dir()
-    if root is None:
-        raise SourceUnavailable(f"TAPS_DATA_DIR is not set (needed for {relative})")
-    return existing_file(root / relative)
-
-
-def existing_file(path: str | Path) -> Path:
-    """``path`` if it is a file; otherwise :class:`SourceUnavailable` naming it."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise SourceUnavailable(f"file not found: {path}")
-    return path
-
-
-class JsonRecordReader:
-    """Iterate the top-level records of a JSON array or JSON-lines file as ``(line, record)``.
-
-    The file is read in chunks and decoded record by record with ``JSONDecoder.raw_decode``,
-    so a JSON array cut off mid-record yields every complete record, then stops and sets
-    ``truncated_at_line`` to the line where the partial record starts. Invalid JSON anywhere
-    else is a :class:`SourceError` naming ``file:line``. ``line`` is 1-based.
-    """
-
-    def __init__(self, path: str | Path, chunk_chars: int = 1 << 23):
-        self.path = Path(path)
-        self.chunk_chars = chunk_chars
-        self.truncated_at_line: int | None = None
-
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        with self.path.open(encoding="utf-8-sig") as fh:
-            head = fh.read(self.chunk_chars)
-            first = head.lstrip()[:1]
-            if first == "[":
-                yield from self._array(fh, head)
-            elif first == "{" or not first:
-                yield from self._lines(head, fh)
-            else:
-                raise SourceError(f"{self.path}:1: expected a JSON array or JSON lines, found {first!r}")
-
-    def _lines(self, head: str, fh) -> Iterator[tuple[int, Any]]:
-        chunks = _chain_lines(head, fh)
-        for number, line in enumerate(chunks, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SourceError(f"{self.path}:{number}: invalid JSON: {err.msg} (column {err.colno})") from None
-
-    def _array(self, fh, buf: str) -> Iterator[tuple[int, Any]]:
-        decoder = json.JSONDecoder()
-        eof = len(buf) < self.chunk_chars
-        pos = buf.index("[") + 1
-        line, counted = 1, 0
-        expect_comma = False
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            line += buf.count("\n", counted, pos)
-            counted = pos
-            if pos == len(buf):
-                if eof:
-                    self.truncated_at_line = line
-                    return
-                buf, pos, counted, eof = self._refill(fh, buf, pos)
-                continue
-            char = buf[pos]
-            if char == "]":
-                return
-            if expect_comma:
-                if char != ",":
-                    raise SourceError(f"{self.path}:{line}: invalid JSON: expected ',' or ']' between records")
-                pos += 1
-                expect_comma = False
-                continue
-            try:
-                record, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError as err:
-                if not _ran_out_of_input(err):
-                    at = line + buf.count("\n", pos, err.pos)
-                    raise SourceError(f"{self.path}:{at}: invalid JSON: {err.msg}") from None
-                if eof:
-                    self.truncated_at_line = line
-                    return
-                buf, pos, counted, eof = self._refill(fh, buf, pos)
-                continue
-            if end == len(buf) and not eof:
-                buf, pos, counted, eof = self._refill(fh, buf, pos)
-                continue
-            yield line, record
-            pos = end
-            expect_comma = True
-
-    def _refill(self, fh, buf: str, pos: int) -> tuple[str, int, int, bool]:
-        want = max(self.chunk_chars, len(buf) - pos)
-        more = fh.read(want)
-        return buf[pos:] + more, 0, 0, len(more) < want
-
-
-def _chain_lines(head: str, fh) -> Iterator[str]:
-    pending = head
-    while True:
-        parts = pending.split("\n")
-        yield from parts[:-1]
-        more = fh.read(1 << 22)
-        if not more:
-            if parts[-1]:
-                yield parts[-1]
-            return
-        pending = parts[-1] + more
-
-
-def _ran_out_of_input(err: json.JSONDecodeError) -> bool:
-    return err.msg.startswith("Unterminated string") or err.pos >= len(err.doc) - 6
-
-
-def _turns(raw: Any) -> Conversation:
-    if not isinstance(raw, list):
-        raise _MalformedRow(f"conversation is a {type(raw).__name__}, not a list")
-    turns = []
-    for turn in raw:
-        if not isinstance(turn, Mapping):
-            raise _MalformedRow(f"turn is a {type(turn).__name__}, not a mapping")
-        if "from" in turn:
-            role, content = turn.get("from"), turn.get("value")
-        else:
-            role, content = turn.get("role"), turn.get("content")
-        mapped = ROLE_ALIASES.get(str(role).lower())
-        if mapped is None:
-            raise _MalformedRow(f"unknown role {role!r}")
-        if not isinstance(content, str):
-            raise _MalformedRow(f"{role} turn content is {type(content).__name__}, not a string")
-        turns.append({"role": mapped, "content": content})
-    return turns
-
-
-class _MalformedRow(Exception):
-    pass
-
-
-class _UnknownLayout(Exception):
-    pass
-
-
-def _text(row: Mapping, key: str) -> str | None:
-    value = row.get(key)
-    return value if isinstance(value, str) else None
-
-
-def _row_to_conversation(row: Any) -> Conversation:
-    if not isinstance(row, Mapping):
-        raise _UnknownLayout(f"row is a {type(row).__name__}, not an object")
-    for key in ("conversations", "messages"):
-        if key in row:
-            return _turns(row[key])
-    instruction = _text(row, "instruction")
-    if instruction is not None:
-        extra = _text(row, "input")
-        prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
-        return _pair(prompt, _text(row, "output"))
-    for prompt_key, response_key in (("question", "answer"), ("problem", "solution")):
-        prompt = _text(row, prompt_key)
-        if prompt is not None:
-            return _pair(prompt, _text(row, response_key))
-    prompt = _text(row, "prompt")
-    if prompt is not None:
-        return _pair(prompt, None)
-    raise _UnknownLayout(
-        f"row has none of the known layouts (conversations, messages, instruction/output, "
-        f"question/answer, problem/solution, prompt); its keys: {sorted(row)}"
-    )
-
-
-def _pair(prompt: str, response: str | None) -> Conversation:
-    conversation = [{"role": "user", "content": prompt}]
-    if response is not None:
-        conversation.append({"role": "assistant", "content": response})
-    return conversation
-
-
-def _required_fields(*keys: str) -> Callable[[Any], Conversation]:
-    def mapper(row: Any) -> Conversation:
-        if not isinstance(row, Mapping):
-            raise _UnknownLayout(f"row is a {type(row).__name__}, not an object")
-        values = [_text(row, key) for key in keys]
-        missing = [key for key, value in zip(keys, values) if value is None]
-        if missing:
-            raise _UnknownLayout(f"row lacks string field(s) {missing}; its keys: {sorted(row)}")
-        return _pair(values[0], values[1] if len(values) > 1 else None)
-
-    return mapper
-
-
-def strip_calculator_annotations(text: str) -> str:
-    """Remove GSM8K calculator annotations: ``48/2 = <<48/2=24>>24`` becomes ``48/2 = 24``."""
-    return _CALCULATOR_ANNOTATION.sub("", text)
-
-
-def _gsm8k_row(row: Any) -> Conversation:
-    conversation = _required_fields("question", "answer")(row)
-    conversation[1]["content"] = strip_calculator_annotations(conversation[1]["content"])
-    return conversation
-
-
-@dataclass
-class _Normalised:
-    conversations: list[Conversation]
-    prompt_only: bool
-    counts: dict[str, int]
-    truncated_at_line: int | None = None
-
-
-def _normalise(
-    rows: Iterable[tuple[str, Any]],
-    mapper: Callable[[Any], Conversation],
-    prompt_only: bool | None,
-    origin: str,
-) -> _Normalised:
-    """Map and clean ``(location, row)`` pairs. ``prompt_only=None`` derives it from the data."""
-    counts = dict.fromkeys(COUNT_KEYS, 0)
-    mapped: list[Conversation] = []
-    malformed_examples: list[str] = []
-    for location, row in rows:
-        counts["read"] += 1
-        try:
-            conversation = mapper(row)
-        except _UnknownLayout as err:
-            raise SourceError(f"{location}: {err}") from None
-        except _MalformedRow as err:
-            counts["skipped_malformed"] += 1
-            if len(malformed_examples) < 3:
-                malformed_examples.append(f"{location}: {err}")
-            continue
-        kept_turns = [turn for turn in conversation if turn["content"].strip()]
-        counts["empty_turns_dropped"] += len(conversation) - len(kept_turns)
-        mapped.append(kept_turns)
-    if malformed_examples:
-        log.warning("%s: skipped %d malformed conversation(s), e.g. %s", origin,
-                    counts["skipped_malformed"], "; ".join(malformed_examples))
-    if prompt_only is None:
-        prompt_only = not any(turn["role"] == "assistant" for conv in mapped for turn in conv)
-        if prompt_only and mapped:
-            log.info("%s: no row has a response; treating the source as prompt-only", origin)
-    conversations = []
-    for conversation in mapped:
-        roles = [turn["role"] for turn in conversation]
-        if not roles:
-            counts["skipped_empty"] += 1
-        elif "user" not in roles or (not prompt_only and "assistant" not in roles):
-            counts["skipped_roleless"] += 1
-        elif next(role for role in roles if role != "system") != "user":
-            counts["skipped_order"] += 1
-        else:
-            conversations.append(conversation)
-    counts["valid"] = len(conversations)
-    return _Normalised(conversations, prompt_only, counts)
 
 
 def seeded_subset(n: int, limit: int | None, seed: int) -> list[int]:
@@ -408,17 +125,17 @@ def _file_rows(path: Path, reader: JsonRecordReader) -> Iterator[tuple[str, Any]
 
 
 _FILE_MAPPERS: dict[str, Callable[[Any], Conversation]] = {
-    "generic": _row_to_conversation,
-    "gsm8k_train": _gsm8k_row,
-    "math_train": _required_fields("problem"),
+    "generic": row_to_conversation,
+    "gsm8k_train": gsm8k_row,
+    "math_train": required_fields("problem"),
 }
 
 
 @functools.lru_cache(maxsize=4)
-def _load_file_cached(path: str, size: int, mtime_ns: int, mapper: str, prompt_only: bool | None) -> _Normalised:
+def _load_file_cached(path: str, size: int, mtime_ns: int, mapper: str, prompt_only: bool | None) -> Normalised:
     reader = JsonRecordReader(path)
     started = time.perf_counter()
-    result = _normalise(_file_rows(Path(path), reader), _FILE_MAPPERS[mapper], prompt_only, path)
+    result = normalise(_file_rows(Path(path), reader), _FILE_MAPPERS[mapper], prompt_only, path)
     result.truncated_at_line = reader.truncated_at_line
     if reader.truncated_at_line is not None:
         log.info("%s: JSON array truncated mid-record at line %d; recovered %d complete records, "
@@ -427,77 +144,20 @@ def _load_file_cached(path: str, size: int, mtime_ns: int, mapper: str, prompt_o
     return result
 
 
-def _load_file(path: Path, mapper: str, prompt_only: bool | None) -> _Normalised:
+def _load_file(path: Path, mapper: str, prompt_only: bool | None) -> Normalised:
     stat = path.stat()
     return _load_file_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns, mapper, prompt_only)
 
 
-def _hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
-
-def _hub_offline_mode() -> bool:
-    return any(os.environ.get(name, "").lower() in _TRUE_ENV for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-_hub_probes: dict[str, tuple[float, str | None]] = {}
-
-
-def hub_unreachable_reason() -> str | None:
-    """Why the HF hub cannot be used now, or None when it answers (or offline mode uses the local cache).
-
-    Probes ``$HF_ENDPOINT`` once with a short timeout; the answer is remembered for a few minutes,
-    so unreachable hubs cost one quick probe instead of ``datasets``' retries.
-    """
-    if _hub_offline_mode():
-        return None
-    endpoint = _hub_endpoint()
-    cached = _hub_probes.get(endpoint)
-    if cached is not None and time.monotonic() - cached[0] < HUB_PROBE_TTL_S:
-        return cached[1]
-    reason: str | None = None
-    try:
-        request = urllib.request.Request(endpoint + "/api/whoami-v2", method="HEAD")
-        urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
-    except urllib.error.HTTPError:
-        reason = None
-    except (urllib.error.URLError, OSError) as err:
-        detail = getattr(err, "reason", err)
-        reason = f"HF hub {endpoint} unreachable ({detail}); set HF_HUB_OFFLINE=1 to use a local HF cache"
-    _hub_probes[endpoint] = (time.monotonic(), reason)
-    return reason
-
-
-def load_hf_dataset(name: str, subset: str | None = None, split: str = "train"):
-    """``datasets.load_dataset(name, subset, split=split)``, or :class:`SourceUnavailable` with the
-    reason (hub unreachable, ``datasets`` missing, dataset/split not found) without long retries."""
-    label = hf_label(name, subset, split)
-    reason = hub_unreachable_reason()
-    if reason:
-        raise SourceUnavailable(f"{label}: {reason}")
-    try:
-        import datasets
-    except ImportError as err:
-        raise SourceUnavailable(f"{label}: the 'datasets' package is not installed ({err})") from None
-    try:
-        return datasets.load_dataset(name, subset, split=split)
-    except Exception as err:
-        raise SourceUnavailable(f"{label}: {type(err).__name__}: {err}") from None
-
-
-def hf_label(name: str, subset: str | None, split: str) -> str:
-    """Human-readable origin of an HF dataset split: ``hf:name[/subset] split=...``."""
-    return f"hf:{name}" + (f"/{subset}" if subset else "") + f" split={split}"
-
-
-def _load_hf(name: str, subset: str | None, split: str, regenerate: bool) -> tuple[_Normalised, str]:
+def _load_hf(name: str, subset: str | None, split: str, regenerate: bool) -> tuple[Normalised, str]:
     label = hf_label(name, subset, split)
     rows = load_hf_dataset(name, subset, split)
     located = ((f"{label} row {index}", row) for index, row in enumerate(rows))
-    return _normalise(located, _row_to_conversation, True if regenerate else None, label), label
+    return normalise(located, row_to_conversation, True if regenerate else None, label), label
 
 
-def _load_reasoning_gym(spec: SourceSpec) -> tuple[_Normalised, str]:
+def _load_reasoning_gym(spec: SourceSpec) -> tuple[Normalised, str]:
     if "gsm_symbolic" in spec.tasks:
         raise SourceError("reasoning_gym task 'gsm_symbolic' is derived from GSM8K test; not allowed")
     try:
@@ -522,10 +182,10 @@ def _load_reasoning_gym(spec: SourceSpec) -> tuple[_Normalised, str]:
     except importlib.metadata.PackageNotFoundError:
         version = getattr(reasoning_gym, "__version__", "?")
     origin = f"reasoning_gym {version} tasks={','.join(spec.tasks)} seed={spec.seed}"
-    return _normalise(rows, _required_fields("question"), True, origin), origin
+    return normalise(rows, required_fields("question"), True, origin), origin
 
 
-def _load_gsm8k_test_split() -> tuple[_Normalised, str]:
+def _load_gsm8k_test_split() -> tuple[Normalised, str]:
     from taps_ray.data.benchmarks import benchmark_questions
 
     questions, origin = benchmark_questions("gsm8k")
@@ -533,7 +193,7 @@ def _load_gsm8k_test_split() -> tuple[_Normalised, str]:
             for q in questions if in_gsm8k_training_pool(q.turns[0])]
     label = (f"GSM8K-test training pool ({len(pool)} of {len(questions)} questions, "
              f"{GSM8K_TRAIN_POOL_PERCENT}% by question hash) from {origin}")
-    return _normalise(pool, _required_fields("question"), True, label), label
+    return normalise(pool, required_fields("question"), True, label), label
 
 
 def _sharegpt_path(spec: SourceSpec) -> tuple[Path, str]:
@@ -561,7 +221,7 @@ def reads_data_dir(spec: SourceSpec) -> bool:
     return (spec.kind in ("gsm8k_train", "math_train") and not spec.path) or spec.kind == "gsm8k_test_split"
 
 
-def _load_normalised(spec: SourceSpec) -> tuple[_Normalised, str]:
+def _load_normalised(spec: SourceSpec) -> tuple[Normalised, str]:
     regenerate = True if spec.regenerate else None
     if spec.kind == "sharegpt":
         path, origin = _sharegpt_path(spec)

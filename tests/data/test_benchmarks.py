@@ -6,20 +6,18 @@ import time
 import pytest
 
 from taps_ray import artifacts
-from taps_ray.data import benchmarks, sources
+from taps_ray.data import benchmarks
 from taps_ray.data.benchmarks import BENCHMARKS, available_benchmarks, load_benchmark
 from taps_ray.data.sources import SourceError, SourceUnavailable
 from tests.conftest import requires_data
+from tests.data.data_helpers import cut_off_hub
 
 EXPECTED = {"mt_bench": 80, "gsm8k": 1319, "math_500": 500, "svamp": 300}
 
 
 @pytest.fixture(autouse=True)
 def unreachable_hub(monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(sources, "_hub_probes", {})
+    cut_off_hub(monkeypatch)
 
 
 def fetched_or_skip(key: str):

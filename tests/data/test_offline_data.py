@@ -11,16 +11,14 @@ from taps_ray.config import load_config
 from taps_ray.data import benchmarks, sources
 from taps_ray.data.contamination import in_gsm8k_training_pool
 from tests.conftest import REPO
+from tests.data.data_helpers import cut_off_hub
 
 
 @pytest.fixture
 def offline(monkeypatch):
     """No data dir, no HF offline cache, an HF endpoint that refuses connections at once."""
     monkeypatch.delenv("TAPS_DATA_DIR", raising=False)
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(sources, "_hub_probes", {})
+    cut_off_hub(monkeypatch)
 
 
 def test_demo_training_datasets_come_from_the_package_index(offline):

@@ -11,17 +11,18 @@ import pytest
 
 from taps_ray import artifacts
 from taps_ray.config import DatasetConfig, SourceSpec
-from taps_ray.data import sources
+from taps_ray.data import origins, sources
+from taps_ray.data.conversations import strip_calculator_annotations
+from taps_ray.data.json_records import JsonRecordReader
 from taps_ray.data.sources import (
-    JsonRecordReader,
     SourceError,
     SourceUnavailable,
     load_dataset_alternatives,
     load_source,
     seeded_subset,
-    strip_calculator_annotations,
 )
 from tests.conftest import requires_data
+from tests.data.data_helpers import cut_off_hub
 
 
 def sharegpt_record(index: int) -> dict:
@@ -46,10 +47,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 @pytest.fixture(autouse=True)
 def unreachable_hub(monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(sources, "_hub_probes", {})
+    cut_off_hub(monkeypatch)
 
 
 def test_truncated_array_recovers_complete_records(tmp_path, caplog):
@@ -263,7 +261,7 @@ def test_hf_rows_use_the_same_layouts(monkeypatch):
         calls.append((name, subset, split))
         return [{"instruction": "i", "output": "o"}, {"conversations": [{"from": "human", "value": "h"}]}]
 
-    monkeypatch.setattr(sources, "hub_unreachable_reason", lambda: None)
+    monkeypatch.setattr(origins, "hub_unreachable_reason", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     result = load_source(SourceSpec(kind="hf", name="org/set", subset="main", split="test"))
 

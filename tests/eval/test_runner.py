@@ -250,11 +250,10 @@ def test_selection_excludes_exactly_the_questions_a_drafter_trained_on(tmp_path)
 
 
 def test_unavailable_benchmarks_are_skipped_with_one_line(tmp_path, monkeypatch):
-    from taps_ray.data import sources
+    from tests.data.data_helpers import cut_off_hub
 
     monkeypatch.delenv("TAPS_DATA_DIR", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(sources, "_hub_probes", {})
+    cut_off_hub(monkeypatch)
     plan = runner.make_plan(config("eval.benchmarks=[math_500, gsm8k, svamp]", "eval.limit=2"))
     selection = runner.select_questions(plan)
     assert list(selection.questions) == ["gsm8k"] and len(selection.questions["gsm8k"]) == 2
