@@ -269,8 +269,9 @@ def _eval_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    from taps_ray.eval.records import read_records
     from taps_ray.eval.report import build_tables, markdown_table
-    from taps_ray.eval.runner import read_records, run_eval
+    from taps_ray.eval.runner import run_eval
 
     cfg = load_config(args.config, list(args.overrides) + _eval_overrides(args))
     out = run_eval(cfg, args.out)

@@ -44,7 +44,7 @@ def resolve_prompts(spec: SweepSpec, cfg: ExperimentConfig, target, sets: dict, 
 
     from taps_ray.data.benchmarks import load_benchmark
     from taps_ray.data.mixtures import split_rows
-    from taps_ray.eval.runner import conversation_ids
+    from taps_ray.eval.worker import conversation_ids
 
     prompts: dict[str, list[list[int]]] = {}
     for domain, p in spec.eval.prompts.items():

@@ -11,15 +11,11 @@ import torch
 
 from taps_ray.config import load_config
 from taps_ray.data.benchmarks import BenchmarkQuestion
-from taps_ray.eval import runner
-from taps_ray.eval.runner import (
-    EvalError,
-    EvalWorker,
-    conversation_ids,
-    expand_strategies,
-    read_records,
-    run_eval,
-)
+from taps_ray.eval.plan import EvalError, expand_strategies, make_plan
+from taps_ray.eval.questions import select_questions
+from taps_ray.eval.records import RECORDS, RUN_FILE, read_records, record_key
+from taps_ray.eval.runner import run_eval
+from taps_ray.eval.worker import EvalWorker, Unit, conversation_ids
 from taps_ray.spec.decoder import generate
 from tests.eval.eval_helpers import chat_tiny_target
 
@@ -46,7 +42,7 @@ def config(*extra: str):
 
 
 def by_key(records: list[dict]) -> dict:
-    return {runner.record_key(r): r for r in records}
+    return {record_key(r): r for r in records}
 
 
 def outcome(record: dict) -> tuple:
@@ -82,7 +78,7 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
                   "routed:entropy:request", "merged:union", "merged:budget"]
     assert len(records) == len(by_key(records)) == 3 * 2 * len(strategies)
     assert {r["strategy"] for r in records} == set(strategies)
-    run = json.loads((out / runner.RUN_FILE).read_text())
+    run = json.loads((out / RUN_FILE).read_text())
     assert run["identity"]["drafters"] == {"math": {"random_seed": 0}, "chat": {"random_seed": 1}}
     for r in records:
         n = r["steps"]
@@ -123,10 +119,10 @@ def test_second_turn_is_asked_after_the_first_answer():
 
 
 def test_worker_runs_mt_bench_as_a_conversation():
-    plan = runner.make_plan(config("eval.strategies=[vanilla]"))
+    plan = make_plan(config("eval.strategies=[vanilla]"))
     worker = EvalWorker(plan, FACTORY, warmup=False)
     question = QUESTIONS["mt_bench"][0]
-    [record] = worker.run(runner.Unit(question, 0.0, ["vanilla"]))
+    [record] = worker.run(Unit(question, 0.0, ["vanilla"]))
     assert record["turns"] == 2 and len(record["turn_steps"]) == 2
     first = conversation_ids(worker.target, question.turns[:1], [])
     assert record["prompt_tokens"][0] == first.numel()
@@ -162,7 +158,7 @@ def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypa
         run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
     partial_records = read_records(out)
     assert len(partial_records) == 2 * 8
-    with open(out / runner.RECORDS, "a") as handle:
+    with open(out / RECORDS, "a") as handle:
         handle.write(json.dumps(partial_records[0])[:57])
 
     def counting(self, unit):
@@ -172,15 +168,15 @@ def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypa
     monkeypatch.setattr(EvalWorker, "run", counting)
     run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
     assert calls["resumed"] == 6 * 8 - 2 * 8
-    lines = (out / runner.RECORDS).read_text().splitlines()
-    keys = [runner.record_key(json.loads(line)) for line in lines]
+    lines = (out / RECORDS).read_text().splitlines()
+    keys = [record_key(json.loads(line)) for line in lines]
     assert len(keys) == len(set(keys)) == 6 * 8
     expected = by_key(full_run[1])
     assert {k: outcome(r) for k, r in by_key(read_records(out)).items()} == {k: outcome(r) for k, r in expected.items()}
 
     calls.clear()
     run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
-    assert calls["resumed"] == 0 and len((out / runner.RECORDS).read_text().splitlines()) == 6 * 8
+    assert calls["resumed"] == 0 and len((out / RECORDS).read_text().splitlines()) == 6 * 8
 
 
 def test_folder_of_another_configuration_is_refused(full_run, tmp_path):
@@ -192,14 +188,14 @@ def test_folder_of_another_configuration_is_refused(full_run, tmp_path):
                  target_factory=FACTORY, report=False)
     stray = tmp_path / "stray"
     stray.mkdir()
-    (stray / runner.RECORDS).write_text("{}\n")
+    (stray / RECORDS).write_text("{}\n")
     with pytest.raises(EvalError, match="no run.json"):
         run_eval(config(), stray, questions=QUESTIONS, target_factory=FACTORY, report=False)
 
 
 def test_missing_drafter_folder_is_an_error(tmp_path):
     with pytest.raises(EvalError, match="drafter 'math': .* is not a drafter checkpoint folder"):
-        runner.make_plan(config(f"eval.drafters={{math: '{tmp_path}/nope', chat: 'random:1'}}"))
+        make_plan(config(f"eval.drafters={{math: '{tmp_path}/nope', chat: 'random:1'}}"))
 
 
 def test_ray_actors_shard_the_units_and_match_in_process(full_run, tmp_path, ray_session):
@@ -209,7 +205,7 @@ def test_ray_actors_shard_the_units_and_match_in_process(full_run, tmp_path, ray
     records = read_records(out)
     assert len(records) == 3 * 8 and len({r["worker"] for r in records}) == 2
     expected = by_key(full_run[1])
-    assert all(outcome(r) == outcome(expected[runner.record_key(r)]) for r in records)
+    assert all(outcome(r) == outcome(expected[record_key(r)]) for r in records)
 
 
 # -- contamination guard and unavailable benchmarks ------------------------------------------------
@@ -232,9 +228,9 @@ def test_selection_excludes_exactly_the_questions_a_drafter_trained_on(tmp_path)
     gsm8k, _ = benchmark_questions("gsm8k")
     seen = [gsm8k[i].turns[0] for i in (0, 3, 4)] + ["  " + gsm8k[10].turns[0].upper()]  # normalized alike
     math = _trained_drafter(tmp_path / "math", seen)
-    plan = runner.make_plan(config(f"eval.drafters={{math: '{math}', chat: 'random:1'}}",
+    plan = make_plan(config(f"eval.drafters={{math: '{math}', chat: 'random:1'}}",
                                    "eval.benchmarks=[gsm8k, mt_bench]", "eval.limit=null"))
-    selection = runner.select_questions(plan)
+    selection = select_questions(plan)
     assert {q.question_id for q in gsm8k} - {q.question_id for q in selection.questions["gsm8k"]} == {0, 3, 4, 10}
     assert selection.info["gsm8k"] == {"origin": selection.info["gsm8k"]["origin"], "total": 1319, "excluded": 4,
                                        "excluded_by": ["math"], "selected": 1315}
@@ -242,7 +238,7 @@ def test_selection_excludes_exactly_the_questions_a_drafter_trained_on(tmp_path)
     assert selection.notes[0] == "gsm8k: 1315 of 1315 questions drawn; 4 of 1319 excluded as seen in training by math"
     assert plan.identity()["excluded_prompts"]
     # The seeded limit is drawn after the exclusion, from the questions left.
-    limited = runner.select_questions(runner.make_plan(config(
+    limited = select_questions(make_plan(config(
         f"eval.drafters={{math: '{math}', chat: 'random:1'}}", "eval.benchmarks=[gsm8k]", "eval.limit=5")))
     kept = [q for q in gsm8k if q.question_id not in (0, 3, 4, 10)]
     assert limited.questions["gsm8k"] == [kept[i] for i in seeded_subset(len(kept), 5, 0)]
@@ -254,15 +250,15 @@ def test_unavailable_benchmarks_are_skipped_with_one_line(tmp_path, monkeypatch)
 
     monkeypatch.delenv("TAPS_DATA_DIR", raising=False)
     cut_off_hub(monkeypatch)
-    plan = runner.make_plan(config("eval.benchmarks=[math_500, gsm8k, svamp]", "eval.limit=2"))
-    selection = runner.select_questions(plan)
+    plan = make_plan(config("eval.benchmarks=[math_500, gsm8k, svamp]", "eval.limit=2"))
+    selection = select_questions(plan)
     assert list(selection.questions) == ["gsm8k"] and len(selection.questions["gsm8k"]) == 2
     skipped = [n for n in selection.notes if "skipped" in n]
     assert [n.split(":")[0] for n in skipped] == ["math_500", "svamp"]
     assert all("\n" not in n and "TAPS_DATA_DIR is not set" in n and "127.0.0.1:9" in n for n in skipped)
     assert "skipped" in selection.info["svamp"]
     with pytest.raises(EvalError, match="no benchmark of \\['math_500'\\] can be evaluated here"):
-        runner.select_questions(runner.make_plan(config("eval.benchmarks=[math_500]")))
+        select_questions(make_plan(config("eval.benchmarks=[math_500]")))
 
 
 def test_run_prints_and_records_exclusions_and_the_report_says_them(tmp_path, capsys):
@@ -274,7 +270,7 @@ def test_run_prints_and_records_exclusions_and_the_report_says_them(tmp_path, ca
     assert "taps eval: gsm8k: 1 of 1 questions drawn; 1 of 2 excluded as seen in training by math" in printed
     assert "taps eval: mt_bench: 1 of 1 questions drawn; none excluded" in printed
     assert {(r["benchmark"], r["question_id"]) for r in read_records(out)} == {("mt_bench", 81), ("gsm8k", 7)}
-    run = json.loads((out / runner.RUN_FILE).read_text())
+    run = json.loads((out / RUN_FILE).read_text())
     assert run["questions"]["gsm8k"]["excluded"] == 1 and run["identity"]["excluded_prompts"]
     report = (out / "report.md").read_text()
     assert "- questions, gsm8k: 1 of 1 questions drawn; 1 of 2 excluded as seen in training by math" in report

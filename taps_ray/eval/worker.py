@@ -1,0 +1,164 @@
+"""An evaluation worker: the target, the drafters and one strategy object per strategy, loaded once;
+it runs units (one question at one temperature, every strategy still missing for it, back to back)
+and turns each strategy's generations into one JSON-ready record.
+
+A question's turns run as one conversation: turn 2 is asked after the strategy's own answer to turn 1
+(MT-Bench). Each turn's sampling seed depends only on the question, the turn and the run's seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from taps_ray.config import SamplingConfig, TargetConfig, TreeConfig
+from taps_ray.data.benchmarks import BenchmarkQuestion
+from taps_ray.eval.plan import RANDOM_PREFIX, EvalError, EvalPlan
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.target import TargetModel
+from taps_ray.spec import stats
+from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.decoder import GenerationResult, generate, load_drafter, prompt_ids
+
+
+def conversation_ids(target: TargetModel, turns: list[str], answers: list[GenerationResult]) -> torch.Tensor:
+    """Prompt ids [T] for the next turn: the chat template over the user ``turns`` so far with the
+    earlier ``answers``' texts between them (:func:`taps_ray.spec.decoder.prompt_ids`, the one prompt
+    path). EvalError for a target without a tokenizer."""
+    if target.tokenizer is None:
+        raise EvalError(f"target {target.name!r} has no tokenizer: evaluation asks benchmark questions as text")
+    messages = []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i].text or ""})
+    return prompt_ids(target, messages)
+
+
+def sampling_seed(question: BenchmarkQuestion, turn: int, base: int) -> int:
+    """The sampling seed of one turn: the same for every strategy, independent of shard and order."""
+    return (zlib.crc32(f"{question.benchmark}/{question.question_id}/{turn}".encode()) + base) % 2**31
+
+
+def _num(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _nums(value) -> list:
+    if value is None:
+        return []
+    return [None if math.isnan(v) else round(v, 4) for v in torch.as_tensor(value).reshape(-1).tolist()]
+
+
+def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str], temperature: float,
+                results: list[GenerationResult]) -> dict:
+    """One JSON-ready record of a question's turns decoded with ``strategy`` (per-step lists over all turns)."""
+    steps = [s for r in results for s in r.steps]
+    new_tokens = [len(r.token_ids) for r in results]
+    total_s = sum(r.total_s for r in results)
+    tau = stats.tau(steps)
+    record = {
+        "benchmark": question.benchmark, "question_id": question.question_id, "category": question.category,
+        "strategy": strategy, "drafters": drafters, "temperature": temperature,
+        "turns": len(results), "prompt_tokens": [r.prompt_len for r in results], "new_tokens": new_tokens,
+        "finish": [r.finish_reason for r in results],
+        "output_crc": [zlib.crc32(json.dumps(r.token_ids).encode()) for r in results],
+        "turn_steps": [len(r.steps) for r in results], "steps": len(steps),
+        "appended": sum(s.appended for s in steps), "tau": None if math.isnan(tau) else tau,
+        "accepted": [s.accepted for s in steps], "step_appended": [s.appended for s in steps],
+        "tree_size": [s.tree_size for s in steps], "tree_depth": [int(s.tree_depth) for s in steps],
+        "prefill_s": sum(r.prefill_s for r in results), "draft_s": sum(s.draft_s for s in steps),
+        "verify_s": sum(s.verify_s for s in steps), "total_s": total_s,
+        "tokens_per_s": sum(new_tokens) / total_s if total_s > 0 else None,
+    }
+    if strategy != "vanilla":
+        record.update(
+            rejected=[bool(s.rejected) for s in steps],
+            draft_entropy=[_nums(s.draft_entropy) for s in steps],
+            target_entropy=[_nums(s.target_entropy) for s in steps],
+            rejected_draft_entropy=[None if s.rejected_draft_entropy is None else _num(s.rejected_draft_entropy)
+                                    for s in steps],
+            rejected_target_entropy=[None if s.rejected_target_entropy is None else _num(s.rejected_target_entropy)
+                                     for s in steps],
+        )
+    if strategy.startswith("routed:"):
+        record.update(
+            routes=[s.meta.get("route") for s in steps],
+            signals=[_nums(s.meta.get("signals")) for s in steps],
+            probes=[bool(s.meta.get("probe")) for s in steps],
+            decisions=[next((s.meta.get("decision") for s in r.steps if s.meta.get("decision")), None)
+                       for r in results],
+        )
+    if strategy.startswith("merged:"):
+        record.update(
+            union_size=[int(s.meta.get("union_size", s.tree_size)) for s in steps],
+            shared_nodes=[int(s.meta.get("shared_nodes", 0)) for s in steps],
+            node_sources=[_nums(s.meta.get("node_sources")) for s in steps],
+        )
+    return record
+
+
+
+@dataclass
+class Unit:
+    """One question at one temperature and the strategies still to run on it."""
+
+    question: BenchmarkQuestion
+    temperature: float
+    strategies: list[str]
+
+
+class EvalWorker:
+    """Holds the target, the drafters and one strategy object per strategy; runs units.
+
+    ``target_factory`` (picklable, no arguments) replaces ``TargetModel.load(plan.target)``.
+    """
+
+    def __init__(self, plan: EvalPlan, target_factory: Callable[[], TargetModel] | None = None, warmup: bool = True):
+        if plan.threads:
+            torch.set_num_threads(plan.threads)
+        self.plan = plan
+        self.target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
+        self.drafters: dict[str, DraftHead] = {}
+        for name, source in plan.drafters.items():
+            seed = int(source[len(RANDOM_PREFIX):]) if source.startswith(RANDOM_PREFIX) else 0
+            head = load_drafter(self.target, None if source.startswith(RANDOM_PREFIX) else source, seed)
+            head.metadata.setdefault("name", name)
+            self.drafters[name] = head
+        tree = TreeConfig(**plan.tree)
+        self.strategies = {
+            name: build_strategy(name, {n: self.drafters[n] for n in plan.drafters_of(name)}, tree,
+                                 probe_steps=plan.probe_steps, recheck_every=plan.recheck_every)
+            for name in plan.strategies
+        }
+        if warmup:
+            ids = torch.arange(2, 10, device=self.target.device) % self.target.vocab_size
+            for strategy in self.strategies.values():
+                generate(self.target, ids, strategy, None, 3, collect_entropy=True)
+
+    def run(self, unit: Unit) -> list[dict]:
+        """Records of ``unit``'s strategies, in order."""
+        records = []
+        for name in unit.strategies:
+            strategy = self.strategies[name]
+            results: list[GenerationResult] = []
+            prompts: list[list[int]] = []
+            for turn in range(len(unit.question.turns)):
+                ids = conversation_ids(self.target, unit.question.turns[:turn + 1], results)
+                prompts.append(ids.tolist())
+                sampling = SamplingConfig(temperature=unit.temperature, top_p=self.plan.top_p, top_k=self.plan.top_k,
+                                          seed=sampling_seed(unit.question, turn, self.plan.seed))
+                results.append(generate(self.target, ids, strategy, sampling, self.plan.max_new_tokens))
+            record = make_record(unit.question, name, self.plan.drafters_of(name), unit.temperature, results)
+            record["worker"] = os.getpid()
+            record["prompt_ids"] = prompts
+            record["output_ids"] = [r.token_ids for r in results]
+            records.append(record)
+        return records
