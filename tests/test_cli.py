@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taps_ray.cli import _eval_overrides, build_parser, parse
+from taps_ray.cli import build_parser, parse
+from taps_ray.commands.study import eval_overrides
 from taps_ray.config import load_config
 from tests.conftest import REPO
 
@@ -13,7 +14,7 @@ DEMO = str(REPO / "configs" / "demo.yaml")
 
 def _eval_config(*flags: str):
     args = build_parser().parse_args(["eval", DEMO, *flags])
-    return load_config(args.config, list(args.overrides) + _eval_overrides(args))
+    return load_config(args.config, list(args.overrides) + eval_overrides(args))
 
 
 def test_drafters_flag_composes_the_given_drafters_unless_told_otherwise():
@@ -67,11 +68,12 @@ def test_export_writes_an_eagle_folder_that_loads_back(tmp_path, capsys):
 
 def test_serve_api_key_flags_add_to_the_configured_keys(monkeypatch, capsys):
     from taps_ray import cli
+    from taps_ray.commands import drafting
     from taps_ray.serving import app
 
     served = []
     monkeypatch.setattr(app, "run", lambda cfg, host, port: served.append((cfg, host, port)))
-    assert cli._run_serve(parse(["serve", DEMO, "serve.api_keys=[k0]", "--api-key", "k1", "--api-key", "k2",
+    assert drafting.run_serve(parse(["serve", DEMO, "serve.api_keys=[k0]", "--api-key", "k1", "--api-key", "k2",
                                  "--port", "8123"])) == 0
     cfg, _, port = served[0]
     assert cfg.serve.api_keys == ["k0", "k1", "k2"] and port == 8123

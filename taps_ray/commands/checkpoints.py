@@ -1,0 +1,85 @@
+"""``taps`` subcommands that write drafter checkpoints: average (weight space) and export (EAGLE format)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from taps_ray.commands.common import UserError, config_args, load_drafters, load_experiment
+
+
+def add_average(parser: argparse.ArgumentParser) -> None:
+    config_args(parser)
+    parser.add_argument("--drafter", action="append", default=[], metavar="DIR", help="drafter checkpoint (2 or more)")
+    parser.add_argument("--alpha", type=float, default=None, help="two drafters: alpha * first + (1 - alpha) * second")
+    parser.add_argument("--weights", default=None, help="comma-separated weights, one per drafter, summing to 1")
+    parser.add_argument("--out", required=True, help="folder of the averaged checkpoint")
+
+
+def run_average(args: argparse.Namespace) -> int:
+    from taps_ray.data.contamination import write_averaged
+    from taps_ray.models.drafter import average_drafters, is_drafter_checkpoint
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.compose import averaging_weights
+    from taps_ray.spec.strategy import StrategySpec
+
+    if len(args.drafter) < 2:
+        raise UserError(f"give at least two --drafter folders, got {len(args.drafter)}")
+    if args.alpha is not None and args.weights is not None:
+        raise UserError("give --alpha or --weights, not both")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise UserError(f"--alpha must be in [0, 1], got {args.alpha}")
+    try:
+        given = [float(w) for w in args.weights.split(",")] if args.weights else None
+    except ValueError:
+        raise UserError(f"--weights must be comma-separated numbers, got {args.weights!r}") from None
+    weights = averaging_weights(StrategySpec("averaged", alpha=args.alpha), len(args.drafter), given)
+    out = Path(args.out)
+    if out.exists() and not is_drafter_checkpoint(out) and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not a drafter checkpoint; refusing to replace it (choose "
+                        "another folder)")
+    cfg = load_experiment(args)
+    target = TargetModel.load(cfg.target)
+    heads = load_drafters(target, args.drafter, cfg.drafter.seed)
+    merged = average_drafters(heads, weights)
+    merged.metadata.update(name=Path(args.out).name, averaged_from=[str(Path(d).resolve()) for d in args.drafter])
+    path = merged.save(args.out, target.fingerprint)
+    write_averaged(path, args.drafter)  # the union of the parts' trained prompts (contamination guard)
+    print(f"wrote {path}: " + " + ".join(f"{w:g} * {d}" for w, d in zip(weights, args.drafter)))
+    return 0
+
+
+def add_export(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafter", metavar="DRAFTER", help="drafter checkpoint folder or release:NAME")
+    parser.add_argument("--format", required=True, choices=["eagle"],
+                        help="eagle: an EAGLE-1/EAGLE-2 folder (SafeAILab layout) that vLLM and SGLang load")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (an earlier export there is replaced)")
+    parser.add_argument("--engine", choices=["sglang", "vllm"], default="sglang",
+                        help="the engine the folder is for (default: %(default)s; its layout is also SafeAILab "
+                             "EAGLE's): they differ in the architecture name and in how they treat fc.bias")
+    parser.add_argument("--drop-fc-bias", action="store_true",
+                        help="write the drafter without its fc bias (needed for vLLM, whose EAGLE head has none; "
+                             "outputs stay exact, acceptance may drop)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from taps_ray.models.drafter import DrafterLoadError
+    from taps_ray.models.eagle_format import export_eagle, load_taps_drafter
+
+    try:
+        head, fingerprint, source = load_taps_drafter(args.drafter)
+    except DrafterLoadError as err:
+        raise UserError(str(err)) from err
+    if Path(args.out).resolve() == source.resolve():
+        raise UserError(f"--out {args.out!r} is the drafter's own folder; choose another")
+    done = export_eagle(head, args.out, fingerprint, engine=args.engine, drop_fc_bias=args.drop_fc_bias,
+                        source=source)
+    print(f"wrote {done.path} (EAGLE-1/EAGLE-2 for {done.engine}, bias: {str(done.bias).lower()}"
+          + (", fc.bias dropped" if done.fc_bias_dropped else "") + ")")
+    if done.engine == "vllm":
+        print(f"""  vLLM: LLM(model=..., speculative_config={{"method": "eagle", "model": "{done.path}", """
+              f""""num_speculative_tokens": 5}})""")
+    else:
+        token_map = f" --speculative-token-map {done.token_map}" if done.token_map else ""
+        print(f"  SGLang: --speculative-algorithm EAGLE --speculative-draft-model-path {done.path}{token_map}")
+    return 0
