@@ -226,8 +226,11 @@ class Ingress:
             return StreamingResponse(self._sse(events, body, request, chat, start), media_type="text/event-stream")
         self.metrics.running.labels(self.model_name).inc()
         ttft, done, finished = None, None, False
+        logprobs = None if request.logprobs is None else []
         try:
             async for event in events:
+                if logprobs is not None and event["type"] in ("delta", "done"):
+                    logprobs += event.get("logprobs") or []
                 if event["type"] == "delta" and ttft is None:
                     ttft = time.perf_counter() - start
                 elif event["type"] == "error":
@@ -255,7 +258,8 @@ class Ingress:
         latency = time.perf_counter() - start
         self.metrics.finished(done["finish_reason"], done["usage"], done["taps"], latency, ttft or latency)
         make = protocol.chat_response if chat else protocol.completion_response
-        return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"])
+        return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"],
+                    logprobs)
 
     async def _first_event(self, events, request: DecodeRequest) -> JSONResponse | None:
         """Wait (until the request's deadline) for the verifier's first event: None when decoding started,
@@ -322,7 +326,7 @@ class Ingress:
             max_tokens=body.max_tokens, sampling=body.sampling(self.sampling), stop=body.stop,
             raw=prompt_param == "prompt", prompt_param=prompt_param,
             deadline_s=taps.draft_deadline_s if taps else None,
-            request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s,
+            request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s, logprobs=body.top_logprobs_count,
         )
 
     async def _sse(self, events, body, request: DecodeRequest, chat: bool, start: float):
@@ -341,7 +345,8 @@ class Ingress:
                     if event["type"] == "delta":
                         ttft = ttft if ttft is not None else time.perf_counter() - start
                         content = {"content": event["text"]} if chat else event["text"]
-                        yield sse_line(chunk(rid, self.model_name, created, content, include_usage=usage_chunks))
+                        yield sse_line(chunk(rid, self.model_name, created, content, include_usage=usage_chunks,
+                                             logprobs=event.get("logprobs")))
                     elif event["type"] == "error":
                         finished = True
                         self.metrics.failed(event["status"])
@@ -354,7 +359,8 @@ class Ingress:
                                               ttft if ttft is not None else latency)
                         content = {"content": event["delta"]} if chat else event["delta"]
                         yield sse_line(chunk(rid, self.model_name, created, content, event["finish_reason"],
-                                             include_usage=usage_chunks, taps=event["taps"]))
+                                             include_usage=usage_chunks, taps=event["taps"],
+                                             logprobs=event.get("logprobs")))
                         if usage_chunks:
                             yield sse_line(chunk(rid, self.model_name, created, None, usage=event["usage"],
                                                  include_usage=True))

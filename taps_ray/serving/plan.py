@@ -88,7 +88,7 @@ class DecodeRequest:
     token ids; ``prompt_param`` names the request field for errors. ``request_id``: the HTTP request's
     id (error bodies and log lines name it); ``expires_at``: the wall-clock time (``time.time()``) its
     ``serve.request_timeout_s`` runs out, counted from its arrival at the ingress (None: from the start
-    of decoding)."""
+    of decoding); ``logprobs``: alternatives per token the response reports (None: no logprobs)."""
 
     rid: str
     prompt: list[dict] | str | list[int]
@@ -101,3 +101,4 @@ class DecodeRequest:
     deadline_s: float | None = None
     request_id: str | None = None
     expires_at: float | None = None
+    logprobs: int | None = None

@@ -1,8 +1,15 @@
 """OpenAI-compatible request and response models, the ``taps`` extension and error bodies.
 
 Requests follow the OpenAI Chat Completions / Completions bodies (unknown keys are ignored, as
-vLLM does); parameters that would change the output but are not supported (``n > 1``,
-``logprobs``, penalties, ``echo``) are rejected with a 400 naming them, never silently dropped.
+vLLM does). Every OpenAI field the server does not honour (:data:`CHAT_UNSUPPORTED`,
+:data:`COMPLETION_UNSUPPORTED`: ``n > 1``, penalties, ``logit_bias``, tools and functions,
+``response_format``, audio, ``prediction``, ``echo``, ...) is a 400 naming it unless it holds its
+neutral value (null, or the value that asks for what the server does anyway: ``tool_choice: "none"``,
+``response_format: {"type": "text"}``, ``modalities: ["text"]``, ...), never silently dropped; hints
+that do not change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``, ...) are ignored. ``logprobs`` / ``top_logprobs`` are served (the target's raw
+log-probabilities, :mod:`taps_ray.spec.logprobs`): chat ``logprobs: true`` with ``top_logprobs`` 0..20,
+completions ``logprobs`` 0..5.
 Numbers must be finite and in range (``temperature`` 0 or in [0.01, 2], ``top_p`` in (0, 1],
 ``seed`` a signed 64-bit integer) and strings valid Unicode (no lone surrogates); the server's
 size limits (:class:`~taps_ray.config.ServeConfig`) are applied by :func:`check_limits`.
@@ -20,6 +27,25 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 if TYPE_CHECKING:
     from taps_ray.config import ServeConfig
 
+CHAT_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "verbosity": (None,), "web_search_options": (None,), "moderation": (None,), "store": (None, False),
+}
+"""Chat request fields the server does not honour -> the values it accepts for them (each means the
+field's default behaviour); any other value is a 400 naming the field."""
+COMPLETION_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+}
+"""Completions request fields the server does not honour -> the values it accepts for them."""
+MESSAGE_UNSUPPORTED: dict[str, tuple] = {"tool_calls": (None, []), "function_call": (None,), "audio": (None,)}
+"""Chat message fields the server does not honour (an assistant turn's tool calls or audio)."""
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
+LOGPROB_FLOOR = -9999.0
+"""What a log-probability below it (or -inf) is reported as (the OpenAI API's "very unlikely")."""
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
@@ -63,6 +89,22 @@ def internal_error_body(message: str = INTERNAL_ERROR, code: str = "internal_err
     rid = request_id or REQUEST_ID.get()
     return error_body(f"{message}; the server log has the details under request id {rid}", "server_error", None,
                       code, rid)
+
+
+def _unsupported(table: dict[str, tuple]):
+    """A field validator refusing any value of the fields in ``table`` other than their neutral ones."""
+
+    def check(cls, value: Any, info) -> Any:
+        neutral = table[info.field_name]
+        if not any(value is n or (n is not None and value == n and isinstance(value, bool) == isinstance(n, bool))
+                   for n in neutral):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            accepted = " or ".join("null" if n is None else repr(n) for n in neutral)
+            raise ValueError(f"not supported by this server (got {shown}); omit it or send {accepted}")
+        return value
+
+    return field_validator(*table)(classmethod(check))
 
 
 def _unicode(value: str) -> str:
@@ -115,9 +157,9 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    logit_bias: Any = None
     user: Text | None = None
     taps: TapsOptions | None = None
 
@@ -150,13 +192,6 @@ class _Generation(_Body):
             raise ValueError(f"only n=1 is supported, got {value}")
         return value
 
-    @field_validator("logprobs", "presence_penalty", "frequency_penalty")
-    @classmethod
-    def _unsupported(cls, value: Any, info) -> Any:
-        if value not in (None, False, 0, 0.0):
-            raise ValueError(f"{info.field_name} is not supported (got {value!r})")
-        return value
-
     def sampling(self, defaults: dict) -> dict:
         """SamplingConfig keys: the request's values over the server's ``defaults``."""
         values = dict(defaults)
@@ -171,6 +206,11 @@ class _Generation(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token the response reports (None: no logprobs)."""
+        raise NotImplementedError
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -181,6 +221,11 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+    _check_unsupported = _unsupported(MESSAGE_UNSUPPORTED)
 
     def text(self) -> str:
         if self.content is None:
@@ -191,15 +236,49 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS["chat"])
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+
+    _check_unsupported = _unsupported(CHAT_UNSUPPORTED)
+
+    @field_validator("messages")
+    @classmethod
+    def _last_message(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if value[-1].role == "assistant":
+            raise ValueError("the last message must not be from the assistant (continuing a reply is not "
+                             "supported)")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError(f"{value} alternatives per token need logprobs: true")
+        return value
 
     @model_validator(mode="after")
     def _completion_tokens(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
-        if self.messages[-1].role == "assistant":
-            raise ValueError("messages: the last message must not be from the assistant (continuing a reply "
-                             "is not supported)")
         return self
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -207,17 +286,16 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: Text | list[int] | list[Text]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: Text | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS["completions"], strict=True)
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
-    @field_validator("echo", "best_of", "suffix")
-    @classmethod
-    def _unsupported_here(cls, value: Any, info) -> Any:
-        allowed = {"echo": (False,), "best_of": (None, 1), "suffix": (None, "")}[info.field_name]
-        if value is True or value not in allowed:
-            raise ValueError(f"{info.field_name} is not supported (got {value!r})")
-        return value
+    _check_unsupported = _unsupported(COMPLETION_UNSUPPORTED)
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -277,19 +355,49 @@ def now() -> int:
     return int(time.time())
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, usage: dict, taps: dict) -> dict:
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """The chat ``choices[].logprobs`` object from per-token ``entries`` (each ``{"token", "logprob",
+    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}], "text_offset"}``, as the verifier emits
+    them); None when logprobs were not asked."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e["token"], "logprob": _logprob(e["logprob"]), "bytes": e["bytes"],
+                         "top_logprobs": [{"token": t["token"], "logprob": _logprob(t["logprob"]),
+                                           "bytes": t["bytes"]} for t in e["top_logprobs"]]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """The completions ``choices[].logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+    ``{token: logprob}``, ``text_offset``) from the same ``entries``; None when logprobs were not asked."""
+    if entries is None:
+        return None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [_logprob(e["logprob"]) for e in entries],
+            "top_logprobs": [{t["token"]: _logprob(t["logprob"]) for t in e["top_logprobs"]} for e in entries],
+            "text_offset": [e["text_offset"] for e in entries]}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, usage: dict, taps: dict,
+                  logprobs: list[dict] | None = None) -> dict:
+    """A ``chat.completion`` body; ``logprobs``: the per-token entries (:func:`chat_logprobs`) or None."""
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": finish}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": chat_logprobs(logprobs), "finish_reason": finish}],
         "usage": usage, "taps": taps,
     }
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, usage: dict, taps: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, usage: dict, taps: dict,
+                        logprobs: list[dict] | None = None) -> dict:
+    """A ``text_completion`` body; ``logprobs``: the per-token entries (:func:`completion_logprobs`) or None."""
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish}],
         "usage": usage, "taps": taps,
     }
 
@@ -297,7 +405,7 @@ def completion_response(rid: str, model: str, text: str, finish: str, usage: dic
 def _stream_chunk(rid: str, model: str, created: int, obj: str, choice: dict | None, usage: dict | None,
                   include_usage: bool, taps: dict | None) -> dict:
     chunk = {"id": rid, "object": obj, "created": created, "model": model,
-             "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}]}
+             "choices": [] if choice is None else [{"index": 0, **choice}]}
     if include_usage:
         chunk["usage"] = usage
     if taps is not None:
@@ -306,12 +414,20 @@ def _stream_chunk(rid: str, model: str, created: int, obj: str, choice: dict | N
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-               usage: dict | None = None, include_usage: bool = False, taps: dict | None = None) -> dict:
-    choice = None if delta is None else {"delta": delta, "finish_reason": finish}
+               usage: dict | None = None, include_usage: bool = False, taps: dict | None = None,
+               logprobs: list[dict] | None = None) -> dict:
+    """A ``chat.completion.chunk``: one choice with ``delta`` (none, for the closing usage chunk, when
+    ``delta`` is None); ``usage`` (null but on the last chunk) only with ``include_usage``."""
+    choice = None if delta is None else {"delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
     return _stream_chunk(rid, model, created, "chat.completion.chunk", choice, usage, include_usage, taps)
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None = None,
-                     usage: dict | None = None, include_usage: bool = False, taps: dict | None = None) -> dict:
-    choice = None if text is None else {"text": text, "finish_reason": finish}
+                     usage: dict | None = None, include_usage: bool = False, taps: dict | None = None,
+                     logprobs: list[dict] | None = None) -> dict:
+    """A streamed ``text_completion``, as :func:`chat_chunk` (``finish_reason`` is null until the last text
+    chunk, as the OpenAI API streams it, although the ``openai`` package's ``Completion`` type declares it
+    non-null)."""
+    choice = None if text is None else {"text": text, "logprobs": completion_logprobs(logprobs),
+                                        "finish_reason": finish}
     return _stream_chunk(rid, model, created, "text_completion", choice, usage, include_usage, taps)

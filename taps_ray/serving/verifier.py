@@ -34,6 +34,7 @@ import torch
 from taps_ray.config import ServeConfig, TargetConfig, TreeConfig
 from taps_ray.models.target import TargetModel
 from taps_ray.serving.drafter import rss_bytes
+from taps_ray.serving.logprobs import LogprobStream, TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.spec import stats
@@ -483,7 +484,9 @@ class Verifier:
     """Ray Serve deployment body holding the target (see :mod:`taps_ray.serving.app`).
 
     :meth:`generate` streams events for one request: ``start`` (prompt tokens, max tokens) or
-    ``error`` first, then ``delta`` texts, then ``done`` (finish reason, usage, ``taps`` block).
+    ``error`` first, then ``delta`` texts, then ``done`` (finish reason, usage, ``taps`` block). When the
+    request asks for logprobs, each ``delta`` and ``done`` also carries ``logprobs``: the entries
+    (:mod:`taps_ray.serving.logprobs`) of the tokens consumed since the last one.
 
     Cancellation frees the machine: when the caller goes away (the client hung up) or the request's
     deadline (``DecodeRequest.expires_at``, counted from its arrival) passes, its decode loop stops at
@@ -500,6 +503,7 @@ class Verifier:
         self.tree = TreeConfig(**tree)
         self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
         self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
+        self.pieces = TokenPieces(self.target.tokenizer) if self.target.tokenizer is not None else None
         self._init_counts()
 
     def _init_counts(self) -> None:
@@ -619,11 +623,21 @@ class Verifier:
         emit({"type": "start", "prompt_tokens": n, "max_tokens": max_tokens})
 
         text = TextStream(target.tokenizer, request.stop)
+        logprobs = LogprobStream(self.pieces, request.logprobs) if request.logprobs is not None else None
+        given = 0
+
+        def with_logprobs(event: dict) -> dict:
+            """``event`` with the logprobs of the tokens the text consumed since the last event."""
+            nonlocal given
+            if logprobs is not None:
+                event["logprobs"] = logprobs.take(text.ids[given:text.used])
+                given = text.used
+            return event
 
         def on_tokens(tokens: list[int]) -> None:
             delta = text.push(tokens)
             if delta:
-                emit({"type": "delta", "text": delta})
+                emit(with_logprobs({"type": "delta", "text": delta}))
             if text.hit:
                 raise StopGeneration("stop")
 
@@ -634,7 +648,8 @@ class Verifier:
         start = time.perf_counter()
         result, stopped = None, None
         try:
-            result = generate(target, torch.tensor(ids), strategy, sampling, max_tokens)
+            result = generate(target, torch.tensor(ids), strategy, sampling, max_tokens, logprobs=request.logprobs,
+                              on_logprobs=logprobs.add if logprobs is not None else None)
         except StopGeneration as stop:
             stopped = stop.reason
         finally:
@@ -657,9 +672,9 @@ class Verifier:
         completion = text.used
         taps = summarize(request.plan, strategy.steps, strategy.skip_counts, prefill_s, time.perf_counter() - start,
                          records, completion)
-        emit({"type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
-              "usage": {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion},
-              "taps": taps})
+        emit(with_logprobs({"type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
+                            "usage": {"prompt_tokens": n, "completion_tokens": completion,
+                                      "total_tokens": n + completion}, "taps": taps}))
         return None
 
     def _prompt_ids(self, request: DecodeRequest) -> list[int]:
