@@ -22,7 +22,7 @@ import torch
 
 from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, union_trained_prompts
-from taps_ray.data.features import MANIFEST
+from taps_ray.data.feature_sets import MANIFEST
 from taps_ray.eval.bench import drafter_tau
 from taps_ray.models.drafter import DraftHead, read_drafter_meta
 from taps_ray.models.release import RELEASE_DIR

@@ -1,18 +1,14 @@
 """Target features: chat-template tokenization, loss masks, one teacher-forced target pass,
 Parquet shards written by Ray Data target actors, cached by content key.
 
-A feature set is a folder ``$TAPS_CACHE/features/<dataset>-<key>/`` of Parquet shards with one
-row per conversation: ``row_id`` int64, ``input_ids`` list<int32> [T], ``loss_mask`` list<int8>
-[T] (1 on assistant tokens), ``length`` int32, ``hidden`` binary (bf16 [T, H], row-major). The
-folder is complete only when ``_SUCCESS.json`` exists; it is written last, after an atomic
-rename, so an interrupted ``prepare`` is never read as complete. ``prompts.json`` beside the shards
-holds the hash of each row's first user turn (:mod:`taps_ray.data.contamination`); a feature set
-prepared before it existed gets one on its next ``prepare`` (from the source's conversations).
+The cache's format and reading it back are :mod:`taps_ray.data.feature_sets`. Prompt-only sources
+are first answered by the target (self-distillation, :mod:`taps_ray.data.regeneration` keeps the
+answers). A feature set prepared before ``prompts.json`` existed gets one on its next ``prepare``
+(from the source's conversations).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,26 +20,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taps_ray import artifacts
-from taps_ray.config import DatasetConfig, ExperimentConfig, RegenerationConfig, TargetConfig
-from taps_ray.data.contamination import (
-    FEATURE_PROMPTS,
-    conversation_hash,
-    read_feature_prompts,
-    write_feature_prompts,
+from taps_ray.config import ExperimentConfig, RegenerationConfig, TargetConfig
+from taps_ray.data.contamination import FEATURE_PROMPTS, conversation_hash, write_feature_prompts
+from taps_ray.data.feature_sets import (
+    FORMAT_VERSION,
+    MANIFEST,
+    FeatureCacheError,
+    feature_set_path,
+    open_feature_set,
 )
-from taps_ray.data.sources import reads_data_dir
 from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import folder_lock, write_json
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MANIFEST = "_SUCCESS.json"
-
-
-class FeatureCacheError(RuntimeError):
-    """A feature set is missing, incomplete, or was computed for another target."""
 
 
 @dataclass
@@ -87,116 +76,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> Toke
         mask[(starts >= lo) & (starts < hi)] = 1
     truncated = len(ids) > max_len
     return TokenizedConversation(ids[:max_len], mask[:max_len].tolist(), truncated)
-
-
-def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regeneration: RegenerationConfig) -> str:
-    """Content key of a feature set: target identity, source spec, max_len, regeneration settings.
-
-    ``regeneration.batch_size`` only sets throughput, so it is keyed as its default value: changing
-    it reuses the feature set (and keys of sets prepared before this rule stay the same). ``$TAPS_DATA_DIR``
-    is keyed only for datasets with an alternative that reads it (:func:`reads_data_dir`): a ShareGPT set
-    is the same set whether or not the variable is set."""
-    keyed_regeneration = regeneration.model_copy(update={"batch_size": RegenerationConfig().batch_size})
-    payload = {
-        "format": FORMAT_VERSION,
-        "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},
-        "dataset": dataset.model_dump(),
-        "data_dir": os.environ.get("TAPS_DATA_DIR", "") if any(map(reads_data_dir, dataset.alternatives)) else "",
-        "max_len": max_len,
-        "regeneration": keyed_regeneration.model_dump(),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def features_root() -> Path:
-    return artifacts.cache_dir() / "features"
-
-
-@dataclass
-class FeatureSet:
-    """A complete, cached feature set (see module docstring for the row schema)."""
-
-    name: str
-    path: Path
-    manifest: dict
-
-    @property
-    def rows(self) -> int:
-        return int(self.manifest["rows"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.manifest["target"]["hidden_size"])
-
-    def prompt_hashes(self) -> list[str] | None:
-        """Hashes of the rows' first user turns (``prompts.json``), or None when not recorded."""
-        return read_feature_prompts(self.path)
-
-    def shard_paths(self) -> list[str]:
-        return sorted(str(p) for p in self.path.glob("*.parquet"))
-
-    def read_rows(self, row_ids: np.ndarray | list[int] | None = None) -> list[dict]:
-        """Decode rows (all, or those with ``row_id`` in ``row_ids``) into tensors:
-        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H]."""
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(self.shard_paths())
-        if row_ids is not None:
-            table = table.filter(pc.is_in(table["row_id"], value_set=__import__("pyarrow").array(np.asarray(row_ids))))
-        return [decode_row(r, self.hidden_size) for r in table.to_pylist()]
-
-
-def decode_row(row: dict, hidden_size: int) -> dict:
-    length = int(row["length"])
-    hidden = torch.frombuffer(bytearray(row["hidden"]), dtype=torch.bfloat16).view(length, hidden_size)
-    return {
-        "row_id": int(row["row_id"]),
-        "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
-        "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.float32),
-        "hidden": hidden,
-    }
-
-
-def open_feature_set(path: Path, fingerprint: dict, name: str) -> FeatureSet:
-    """Open a complete feature set, rejecting an incomplete one or one of another target."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        raise FeatureCacheError(f"features for {name!r} at {path} are missing or incomplete; run `taps prepare`")
-    manifest = json.loads(manifest_path.read_text())
-    for key in ("hidden_size", "vocab_size", "embed_hash"):
-        if manifest["target"].get(key) != fingerprint.get(key):
-            raise FeatureCacheError(
-                f"features at {path} were computed for target {manifest['target'].get('name')!r}: "
-                f"{key} {manifest['target'].get(key)!r} != {fingerprint.get(key)!r} of {fingerprint.get('name')!r}"
-            )
-    return FeatureSet(name=name, path=path, manifest=manifest)
-
-
-def feature_set_path(cfg: ExperimentConfig, name: str, fingerprint: dict) -> Path:
-    if name not in cfg.data.datasets:
-        raise ValueError(f"unknown dataset {name!r}; datasets in config: {sorted(cfg.data.datasets)}")
-    ds = cfg.data.datasets[name]
-    key = feature_key(fingerprint, ds, cfg.data.features.max_len, cfg.data.features.regeneration)
-    return features_root() / f"{name}-{key}"
-
-
-def load_feature_set(cfg: ExperimentConfig, name: str, fingerprint: dict) -> FeatureSet:
-    return open_feature_set(feature_set_path(cfg, name, fingerprint), fingerprint, name)
-
-
-def load_feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict[str, FeatureSet]:
-    """Prepared feature sets: every ``required`` dataset (:class:`FeatureCacheError` naming the first
-    that is not prepared), plus any other prepared one (for held-out metrics)."""
-    sets = {}
-    for name in cfg.data.datasets:
-        try:
-            sets[name] = load_feature_set(cfg, name, fingerprint)
-        except FeatureCacheError as err:
-            if name in required:
-                raise FeatureCacheError(f"dataset {name!r}: {err}") from None
-            log.info("dataset %s has no prepared features: left out of held-out metrics", name)
-    return sets
 
 
 class _TargetActor:

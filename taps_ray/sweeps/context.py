@@ -19,7 +19,7 @@ from taps_ray.sweeps.resources import TrialResources
 
 
 def feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict:
-    from taps_ray.data.features import FeatureCacheError, load_feature_sets
+    from taps_ray.data.feature_sets import FeatureCacheError, load_feature_sets
 
     unknown = sorted(required - set(cfg.data.datasets))
     if unknown:

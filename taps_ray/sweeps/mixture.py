@@ -26,7 +26,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from taps_ray import faults
 from taps_ray.config import ExperimentConfig, MixtureConfig, VariantConfig
-from taps_ray.data.features import FeatureSet
+from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.sweeps.config import MixtureSweepSpec, ObjectiveSpec
 from taps_ray.sweeps.trial import evaluate_checkpoint, record_attempt
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from taps_ray.data.features import decode_row
+from taps_ray.data.feature_sets import decode_row
 
 
 def steps_per_epoch(train_rows: int, world: int, batch_size: int) -> int:

@@ -45,7 +45,7 @@ import numpy as np
 from taps_ray import faults
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
-from taps_ray.data.features import FeatureCacheError, FeatureSet, load_feature_sets
+from taps_ray.data.feature_sets import FeatureCacheError, FeatureSet, load_feature_sets
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import atomic_copy, changed_settings, describe_changes, folder_lock, write_json

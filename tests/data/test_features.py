@@ -5,18 +5,16 @@ import pytest
 import torch
 
 from taps_ray.config import load_config
-from taps_ray.data import features, regeneration
+from taps_ray.data import feature_sets, regeneration
 from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
-from taps_ray.data.features import (
+from taps_ray.data.feature_sets import (
     MANIFEST,
     FeatureCacheError,
     feature_set_path,
     load_feature_set,
     open_feature_set,
-    prepare_features,
-    summary_table,
-    tokenize_conversation,
 )
+from taps_ray.data.features import prepare_features, summary_table, tokenize_conversation
 
 CHAT = [
     {"role": "user", "content": "Hi there"},
@@ -79,7 +77,7 @@ def _tiny_config(tmp_path, rows):
 
 @pytest.mark.integration
 def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_target, ray_session):
-    monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
+    monkeypatch.setattr(feature_sets, "features_root", lambda: tmp_path / "features")
     rows = [{"messages": [{"role": "user", "content": f"Question {i}: add {i} and {i}?"},
                           {"role": "assistant", "content": f"{i} + {i} = {2 * i}. " * (1 + i)}]} for i in range(5)]
     rows.append({"messages": []})
@@ -153,7 +151,7 @@ def test_feature_key_depends_on_max_len_and_target(tmp_path):
 
 @pytest.mark.integration
 def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, embedded_target, ray_session):
-    monkeypatch.setattr(features, "features_root", lambda: tmp_path / "features")
+    monkeypatch.setattr(feature_sets, "features_root", lambda: tmp_path / "features")
     monkeypatch.setattr(regeneration, "regenerations_root", lambda: tmp_path / "regenerations")
     data = tmp_path / "problems.jsonl"
     too_long = "Add these numbers: " + " + ".join(str(n) for n in range(100))

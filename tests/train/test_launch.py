@@ -21,7 +21,7 @@ import pytest
 from taps_ray import cli
 from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash, write_feature_prompts
-from taps_ray.data.features import FeatureSet
+from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureSelection
 from taps_ray.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead

@@ -15,7 +15,7 @@ import yaml
 
 from taps_ray.config import ExperimentConfig, load_config
 from taps_ray.data.contamination import prompt_hash, write_feature_prompts
-from taps_ray.data.features import FORMAT_VERSION, MANIFEST, feature_set_path
+from taps_ray.data.feature_sets import FORMAT_VERSION, MANIFEST, feature_set_path
 from taps_ray.models.target import TargetModel
 from tests.conftest import make_tiny_target
 
