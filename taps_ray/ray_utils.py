@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from taps_ray import ray_compat
+
 log = logging.getLogger(__name__)
 
 RAY_ENV = {
@@ -214,9 +216,7 @@ def stop_routing_ray_logs() -> None:
         logger.propagate, logger.level = propagate, level
     logging.captureWarnings(False)
     if _ray_print_worker_logs is not None:
-        import ray._private.worker as ray_worker
-
-        ray_worker.print_worker_logs = _ray_print_worker_logs
+        ray_compat.set_worker_log_printer(_ray_print_worker_logs)
     routing.handler.close()
 
 
@@ -246,24 +246,23 @@ def _route_loggers() -> None:
 
 
 def _route_worker_output() -> None:
-    """Replace Ray's printer of worker output (``ray._private.worker.print_worker_logs``, used for the
-    workers' stdout/stderr and the raylet's error notes) with :func:`_print_worker_logs`."""
+    """Replace Ray's printer of worker output (:func:`taps_ray.ray_compat.worker_log_printer`, used for
+    the workers' stdout/stderr and the raylet's error notes) with :func:`_print_worker_logs`."""
     global _ray_print_worker_logs
-    import ray._private.worker as ray_worker
-
-    current = getattr(ray_worker, "print_worker_logs", None)
+    current = ray_compat.worker_log_printer()
     if current is None or current is _print_worker_logs:
         return
     _ray_print_worker_logs = current
-    ray_worker.print_worker_logs = _print_worker_logs
+    ray_compat.set_worker_log_printer(_print_worker_logs)
 
 
 def _print_worker_logs(data: dict, print_file=None, ignore_prefix: bool = False) -> None:
     """One batch of lines from a Ray process: all into the Ray log; a worker's stdout also on the console."""
     if _routing is None:  # a batch in flight while the routing was stopped
         return _ray_print_worker_logs(data, print_file, ignore_prefix)
-    from ray._private.ray_constants import LOG_PREFIX_INFO_MESSAGE
     from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
+
+    info_prefix = ray_compat.log_prefix_info_message()
 
     pid = data.get("pid")
     name = data.get("actor_name") or data.get("task_name") or ""
@@ -272,15 +271,13 @@ def _print_worker_logs(data: dict, print_file=None, ignore_prefix: bool = False)
     writer = logging.getLogger(WORKER_OUTPUT_LOGGER)
     lines = data.get("lines", [])
     if pid == "autoscaler":  # its events only, as Ray prints them (not every status report)
-        import ray._private.worker as ray_worker
-
-        lines = ray_worker.filter_autoscaler_events(lines)
+        lines = ray_compat.filter_autoscaler_events(lines)
     shown = []
     for line in lines:
         if RAY_TQDM_MAGIC in line:
             continue
-        if LOG_PREFIX_INFO_MESSAGE in line:
-            line = line.split(LOG_PREFIX_INFO_MESSAGE, 1)[1]
+        if info_prefix in line:
+            line = line.split(info_prefix, 1)[1]
         writer.info("%s %s", prefix, line)
         if to_console:
             shown.append(line)
@@ -307,7 +304,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
 
         _route_loggers()
     address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {k: os.environ[k] for k in (*RAY_ENV, "TAPS_CACHE", "TAPS_DATA_DIR") if k in os.environ}}
+    runtime_env = {"env_vars": {k: os.environ[k] for k in (*RAY_ENV, "TAPS_CACHE", "TAPS_DATA_DIR", ray_compat.ESCAPE_ENV) if k in os.environ}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, configure_logging=not routed)
     else:

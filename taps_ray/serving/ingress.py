@@ -25,15 +25,14 @@ import logging
 import math
 import time
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from taps_ray import ray_compat
 from taps_ray.config import SamplingConfig, ServeConfig
 from taps_ray.serving import access, errors, protocol
 from taps_ray.serving import metrics as serving_metrics
@@ -203,8 +202,7 @@ class Ingress:
         """Deployment name -> running replicas of this application, asked of the Serve controller
         without blocking this replica's event loop."""
         if self._controller is None:
-            self._controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME,
-                                                       namespace=SERVE_NAMESPACE)
+            self._controller = await asyncio.to_thread(ray_compat.serve_controller)
         details = await self._controller.get_serve_instance_details.remote()
         app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
         application = (details.get("applications") or {}).get(app_name) or {}

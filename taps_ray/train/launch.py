@@ -362,16 +362,11 @@ def _trainer_class():
     """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
     state API, which needs a dashboard (see :mod:`taps_ray.train.placement`)."""
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
+    from taps_ray.ray_compat import trainer_replacing_placement_group_cleaner
     from taps_ray.train.placement import ReaperCallback
 
-    class DrafterTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            kept = [c for c in super()._create_default_callbacks() if not isinstance(c, PlacementGroupCleanerCallback)]
-            return [*kept, ReaperCallback()]
-
-    return DrafterTrainer
+    return trainer_replacing_placement_group_cleaner(TorchTrainer, ReaperCallback, "DrafterTrainer")
 
 
 def _load_target(cfg: ExperimentConfig):

@@ -234,9 +234,9 @@ def _quiet_report_logs() -> None:
     the module file, so ``LoggingConfig`` does not reach it)."""
     import logging
 
-    from ray.train.v2._internal.execution import context
+    from taps_ray.ray_compat import train_report_logger_name
 
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(train_report_logger_name()).setLevel(logging.WARNING)
 
 
 @dataclass

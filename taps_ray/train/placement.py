@@ -21,7 +21,8 @@ import logging
 from pathlib import Path
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+from taps_ray.ray_compat import ControllerCallback, WorkerGroupCallback, placement_group_from_hex
 
 log = logging.getLogger(__name__)
 RECORD = "placement_groups.txt"
@@ -105,13 +106,10 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
 def remove_recorded(folder: Path) -> int:
     """Remove the still reserved placement groups whose ids the runs stored under ``folder`` recorded
     (their :data:`RECORD` files); returns how many. Call it only once those runs are over."""
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
-
     removed = 0
     for path in Path(folder).rglob(RECORD):
         for line in path.read_text().split():
-            group = PlacementGroup(PlacementGroupID(bytes.fromhex(line)))
+            group = placement_group_from_hex(line)
             removed += remove_if_reserved(group, f"left by the Train run in {path.parent}")
     return removed
 
