@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from taps_ray.eval.tables import Records
+from taps_ray.eval.tables import Records, rows_at
 
 
 def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
@@ -20,56 +20,57 @@ def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
     written = []
     for t in data.temperatures:
         label = f"T{t:g}"
-        rows = [r for r in tables["tau"] if r["temperature"] == t and r["strategy"] != "vanilla"]
+        rows = [r for r in rows_at(tables, "tau", t) if r["strategy"] != "vanilla"]
         if rows:
-            fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.5))
+            fig, ax = plt.subplots(figsize=_bar_chart_size(rows))
             ax.barh([r["strategy"] for r in rows][::-1], [r["avg"] for r in rows][::-1], color="#4878a8")
-            ax.set_xlabel("average tau (tokens per target step)")
-            ax.set_title(f"Acceptance length by strategy, T={t:g}")
-            fig.tight_layout()
-            written.append(_save(fig, out / f"tau_{label}.png"))
-        rows = [r for r in tables["depth"] if r["temperature"] == t and r["benchmark"] == "all"]
+            written.append(_save(fig, ax, out / f"tau_{label}.png", "average tau (tokens per target step)",
+                                 f"Acceptance length by strategy, T={t:g}"))
+        rows = rows_at(tables, "depth", t, pooled=True)
         if rows:
             fig, ax = plt.subplots(figsize=(6, 4))
             for r in rows:
                 depths = sorted(int(k[1:]) for k in r if k.startswith("d") and k[1:].isdigit())
                 ax.plot(depths, [r[f"d{d}"] for d in depths], marker="o", label=r["strategy"])
-            ax.set_xlabel("draft depth")
-            ax.set_ylabel("acceptance rate")
             ax.set_ylim(0, 1.02)
-            ax.set_title(f"Acceptance rate by depth, T={t:g}")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            written.append(_save(fig, out / f"acceptance_by_depth_{label}.png"))
-        rows = [r for r in tables["alpha"] if r["temperature"] == t]
+            written.append(_save(fig, ax, out / f"acceptance_by_depth_{label}.png", "draft depth",
+                                 f"Acceptance rate by depth, T={t:g}", ylabel="acceptance rate"))
+        rows = rows_at(tables, "alpha", t)
         if rows:
             fig, ax = plt.subplots(figsize=(6, 4))
             alphas = [r["alpha"] for r in rows]
             for b in [*data.benchmarks, "avg"]:
                 ax.plot(alphas, [r.get(b, math.nan) for r in rows], marker="o", label=b,
                         linewidth=2.5 if b == "avg" else 1.2)
-            ax.set_xlabel("alpha (weight of the first drafter)")
-            ax.set_ylabel("tau")
-            ax.set_title(f"Weight averaging: tau vs alpha, T={t:g}")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            written.append(_save(fig, out / f"tau_vs_alpha_{label}.png"))
-        rows = [r for r in tables["speed"] if r["temperature"] == t]
+            written.append(_save(fig, ax, out / f"tau_vs_alpha_{label}.png", "alpha (weight of the first drafter)",
+                                 f"Weight averaging: tau vs alpha, T={t:g}", ylabel="tau"))
+        rows = rows_at(tables, "speed", t)
         if rows:
-            fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.5))
+            fig, ax = plt.subplots(figsize=_bar_chart_size(rows))
             ax.barh([r["strategy"] for r in rows][::-1], [r["speedup"] for r in rows][::-1], color="#6a9f58")
             ax.axvline(1.0, color="gray", linestyle="--")
-            ax.set_xlabel("speedup vs vanilla (tokens/s ratio, same prompts)")
-            ax.set_title(f"Wall-clock speedup, T={t:g}")
-            fig.tight_layout()
-            written.append(_save(fig, out / f"speedup_{label}.png"))
+            written.append(_save(fig, ax, out / f"speedup_{label}.png",
+                                 "speedup vs vanilla (tokens/s ratio, same prompts)", f"Wall-clock speedup, T={t:g}"))
     return written
 
 
-def _save(fig, path: Path) -> str:
+def _bar_chart_size(rows: list[dict]) -> tuple[float, float]:
+    """A horizontal bar chart's size: one bar per row."""
+    return 7, 0.35 * len(rows) + 1.5
+
+
+def _save(fig, ax, path: Path, xlabel: str, title: str, ylabel: str | None = None) -> str:
+    """Label ``ax`` (a legend when it has labelled lines), write ``fig`` to ``path`` and close it; the
+    file's name."""
     import matplotlib.pyplot as plt  # loaded by draw_plots, which calls this
 
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
-

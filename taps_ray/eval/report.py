@@ -18,7 +18,7 @@ from pathlib import Path
 from taps_ray.eval.claims import claim_line, evaluate_claims
 from taps_ray.eval.plots import draw_plots
 from taps_ray.eval.records import RECORDS, RUN_FILE, read_records
-from taps_ray.eval.tables import Records, compute_tables
+from taps_ray.eval.tables import Records, compute_tables, rows_at
 from taps_ray.runstate import atomic_write, write_json
 
 
@@ -62,25 +62,29 @@ def _clean(value):
 
 
 
+def _table_section(title: str, rows: list[dict], columns: list[str], note: str | None = None) -> list[str]:
+    """A titled section of one table (with ``note`` above it), or nothing when there are no rows."""
+    if not rows:
+        return []
+    return [f"### {title}", "", *([note, ""] if note else []), markdown_table(rows, columns), ""]
+
+
 def tau_section(tables: dict, data: Records, t: float) -> list[str]:
     b = data.benchmarks
-    rows = [r for r in tables["tau"] if r["temperature"] == t]
+    rows = rows_at(tables, "tau", t)
     return ["### Acceptance length tau (Table 1)", "", markdown_table(rows, ["strategy", *b, "avg"]), "",
             "Questions per cell: " + ", ".join(f"{x}: {rows[0].get(f'{x}_n', 0)}" for x in b) if rows else "", ""]
 
 
 def routing_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = [r for r in tables["routing"] if r["temperature"] == t]
-    if not rows:
-        return []
-    return ["### Routing decisions (Table 2)", "",
-            "Share of verified steps and of questions (by majority of their steps) per drafter.", "",
-            markdown_table(rows, ["strategy", "benchmark", "drafter", "step_share", "question_share",
-                                  "questions", "of_questions", "mean_signal_when_chosen"]), ""]
+    return _table_section("Routing decisions (Table 2)", rows_at(tables, "routing", t),
+                         ["strategy", "benchmark", "drafter", "step_share", "question_share", "questions",
+                          "of_questions", "mean_signal_when_chosen"],
+                         "Share of verified steps and of questions (by majority of their steps) per drafter.")
 
 
 def entropy_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = [r for r in tables["entropy"] if r["temperature"] == t and r["benchmark"] == "all"]
+    rows = rows_at(tables, "entropy", t, pooled=True)
     if not rows:
         return []
     return ["### Draft entropy at accepted vs rejected tokens (Table 3)", "",
@@ -92,7 +96,7 @@ def entropy_section(tables: dict, data: Records, t: float) -> list[str]:
 
 
 def depth_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = [r for r in tables["depth"] if r["temperature"] == t and r["benchmark"] == "all"]
+    rows = rows_at(tables, "depth", t, pooled=True)
     if not rows:
         return []
     depths = sorted({int(k[1:]) for r in rows for k in r if k.startswith("d") and k[1:].isdigit()})
@@ -106,22 +110,15 @@ def depth_section(tables: dict, data: Records, t: float) -> list[str]:
 
 
 def alpha_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = [r for r in tables["alpha"] if r["temperature"] == t]
-    if not rows:
-        return []
-    return ["### tau vs interpolation weight alpha (Figure 6)", "",
-            markdown_table(rows, ["alpha", *data.benchmarks, "avg"]), ""]
+    return _table_section("tau vs interpolation weight alpha (Figure 6)", rows_at(tables, "alpha", t),
+                         ["alpha", *data.benchmarks, "avg"])
 
 
 def speed_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = [r for r in tables["speed"] if r["temperature"] == t]
-    if not rows:
-        return []
-    return ["### Wall-clock speed and verification cost", "",
-            "tokens/s over whole generate calls (prefill included) on the questions vanilla also ran.", "",
-            markdown_table(rows, ["strategy", "questions", "tau", "tokens_per_s", "speedup", "tree_size",
-                                  "union_size", "draft_ms_per_step", "verify_ms_per_step",
-                                  "same_output_as_vanilla"]), ""]
+    return _table_section("Wall-clock speed and verification cost", rows_at(tables, "speed", t),
+                         ["strategy", "questions", "tau", "tokens_per_s", "speedup", "tree_size", "union_size",
+                          "draft_ms_per_step", "verify_ms_per_step", "same_output_as_vanilla"],
+                         "tokens/s over whole generate calls (prefill included) on the questions vanilla also ran.")
 
 
 SECTIONS = (tau_section, routing_section, entropy_section, depth_section, alpha_section, speed_section)

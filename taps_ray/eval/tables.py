@@ -210,6 +210,11 @@ def speed_table(data: Records) -> list[dict]:
     return rows
 
 
+def rows_at(tables: dict, name: str, t: float, pooled: bool = False) -> list[dict]:
+    """The rows of table ``name`` at temperature ``t``; ``pooled``: only those over all benchmarks."""
+    return [r for r in tables[name] if r["temperature"] == t and (not pooled or r["benchmark"] == "all")]
+
+
 def compute_tables(records: list[dict]) -> tuple[dict, Records]:
     """Every table of the report (``tau``, ``routing``, ``entropy``, ``depth``, ``alpha``, ``speed``) and the
     grouped records; :func:`taps_ray.eval.report.build_tables` adds the claims."""
