@@ -17,10 +17,11 @@ from taps_ray.spec.logprobs import TokenLogprobs
 
 
 @lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character standing for each byte in a byte-level vocabulary -> the byte."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {**{chr(b): b for b in shown}, **{chr(256 + i): b for i, b in enumerate(hidden)}}
 
 
 class TokenPieces:
@@ -38,7 +39,7 @@ class TokenPieces:
             text = self.tokenizer.decode([token], skip_special_tokens=False)
             raw = None
             if self.byte_level:
-                name, decoder = self.tokenizer.convert_ids_to_tokens(token), _byte_decoder()
+                name, decoder = self.tokenizer.convert_ids_to_tokens(token), byte_decoder()
                 if isinstance(name, str) and all(c in decoder for c in name):
                     raw = [decoder[c] for c in name]
             piece = self.cache[token] = (text, raw if raw is not None else list(text.encode("utf-8")))

@@ -286,6 +286,29 @@ def test_a_stop_sequence_trims_the_logprobs_with_the_text(call, target):
         assert said.startswith(texts) and said.endswith(stop[-1]) and stop in said, "up to the token ending the stop"
 
 
+def test_token_pieces_give_the_exact_bytes_of_byte_level_tokens():
+    """A token holding part of a character reads U+FFFD but its ``bytes`` are the exact UTF-8 bytes, which
+    join to the text; special tokens read by name."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from taps_ray.serving.logprobs import byte_decoder
+
+    assert set(byte_decoder()) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(byte_decoder().values()) == list(range(256))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world"], trainers.BpeTrainer(vocab_size=280, special_tokens=["<eos>"],
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    pieces, text = TokenPieces(tokenizer), "é hello 😀"
+    ids = tokenizer(text)["input_ids"]
+    assert pieces.byte_level and len(ids) > len(text.split())
+    assert bytes(b for i in ids for b in pieces(i)[1]).decode() == text
+    assert pieces(ids[0]) == ("\ufffd", [0xC3]) and pieces(tokenizer.eos_token_id) == ("<eos>", list(b"<eos>"))
+    assert TokenPieces(ToyTokenizer())(30) == (ToyTokenizer.PIECES[30], list(ToyTokenizer.PIECES[30].encode()))
+
+
 # -- request fields the server does not honour ------------------------------------------------------
 
 SERVED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
