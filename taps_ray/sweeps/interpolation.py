@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from taps_ray import faults
 from taps_ray.config import TreeConfig
 from taps_ray.data.contamination import write_averaged
 from taps_ray.models.drafter import DraftHead, average_drafters
@@ -23,24 +21,19 @@ from taps_ray.models.release import resolve_drafter_dir
 from taps_ray.spec.compose import check_drafters
 from taps_ray.spec.decoder import load_drafter
 from taps_ray.sweeps.config import InterpolationSweepSpec
-from taps_ray.sweeps.trial import cached_target, domain_taus, record_attempt, tau_metrics
+from taps_ray.sweeps.trial import TrialContext, cached_target, domain_taus, tau_metrics
 
 RANDOM_PREFIX = "random:"
 _DRAFTERS: dict[tuple, DraftHead] = {}
 
 
-@dataclass
-class InterpolationContext:
-    """Everything an interpolation trial needs, resolved on the driver (absolute paths, token ids)."""
+@dataclass(kw_only=True)
+class InterpolationContext(TrialContext):
+    """Everything an interpolation trial needs, resolved on the driver: the trial basics, the spec and
+    the drafters averaged (name -> absolute folder or ``random:SEED``)."""
 
     spec: InterpolationSweepSpec
-    target: dict
     drafters: dict[str, str]
-    prompts: dict[str, list[list[int]]]
-    tree: dict
-    out_dir: str
-    threads: int | None
-    fail: str | None = None
 
 
 def load_source(target, name: str, source: str) -> DraftHead:
@@ -59,9 +52,7 @@ def interpolation_trial(config: dict, context: InterpolationContext) -> None:
     from ray import tune
 
     started = time.time()
-    folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
-    attempt = record_attempt(folder)
-    faults.trial_fault(context.fail, config)
+    folder, attempt = context.begin(config)
     if context.threads:
         torch.set_num_threads(context.threads)
     target = cached_target(context.target)

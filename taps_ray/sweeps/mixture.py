@@ -19,29 +19,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from taps_ray import faults
 from taps_ray.config import ExperimentConfig, MixtureConfig, VariantConfig
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.sweeps.config import MixtureSweepSpec, ObjectiveSpec
-from taps_ray.sweeps.trial import evaluate_checkpoint, record_attempt
+from taps_ray.sweeps.trial import TrialContext, evaluate_checkpoint
 
 MIXTURE = "sweep"
 VARIANT = "drafter"
 
 
-@dataclass
-class MixtureContext:
-    """Everything a mixture trial needs, resolved on the driver.
+@dataclass(kw_only=True)
+class MixtureContext(TrialContext):
+    """Everything a mixture trial needs, resolved on the driver, beyond what every trial needs.
 
-    ``target``: the :class:`TargetConfig` dump the evaluation loads; ``weights`` / ``heldout``:
-    ObjectRefs of the target's embedding + LM head and of the held-out feature rows (shared by all
-    trials); ``sim_datasets``: domain -> feature set whose held-out simulated tau stands for it;
-    ``prompts``: domain -> prompt token ids.
+    ``weights`` / ``heldout``: ObjectRefs of the target's embedding + LM head and of the held-out feature
+    rows (shared by all trials); ``sim_datasets``: domain -> feature set whose held-out simulated tau
+    stands for it; the feature sets and the target's sizes, config and fingerprint the trainer needs.
     """
 
     spec: MixtureSweepSpec
@@ -51,16 +48,10 @@ class MixtureContext:
     eos_ids: frozenset[int]
     target_config: Any
     fingerprint: dict
-    target: dict
     weights: Any
     heldout: Any
     sim_datasets: dict[str, str]
-    prompts: dict[str, list[list[int]]]
-    tree: dict
-    out_dir: str
     use_gpu: bool
-    threads: int
-    fail: str | None = None
 
 
 def trial_variant(spec: MixtureSweepSpec, cfg: ExperimentConfig, config: dict, use_gpu: bool = False
@@ -114,9 +105,7 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     from taps_ray.train.launch import build_trainer, copy_final, plan_variants
 
     started = time.time()
-    folder = Path(context.out_dir) / "trials" / tune.get_context().get_trial_id()
-    attempt = record_attempt(folder)
-    faults.trial_fault(context.fail, config)
+    folder, attempt = context.begin(config)
     spec = context.spec
     cfg, variant = trial_variant(spec, context.cfg, config, context.use_gpu)
     plan = plan_variants(cfg, [variant], context.sets, context.vocab_size, context.eos_ids)[0]

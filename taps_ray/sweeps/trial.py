@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from taps_ray import faults
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
@@ -24,6 +25,30 @@ from taps_ray.spec.decoder import generate
 
 ATTEMPTS = "attempts.jsonl"
 _TARGETS: dict[str, TargetModel] = {}
+
+
+@dataclass(kw_only=True)
+class TrialContext:
+    """What every trial needs, resolved on the driver: ``target``, the :class:`TargetConfig` dump tau is
+    measured with; ``prompts``, domain -> held-out prompt token ids; the ``tree``; the sweep folder
+    ``out_dir``; torch ``threads``; the fault to inject (``fail``, :func:`taps_ray.faults.trial_fault`)."""
+
+    target: dict
+    prompts: dict[str, list[list[int]]]
+    tree: dict
+    out_dir: str
+    threads: int | None
+    fail: str | None = None
+
+    def begin(self, config: dict) -> tuple[Path, int]:
+        """Start the running Tune trial of ``config``: its folder ``<out_dir>/trials/<trial id>`` and its
+        attempt number (recorded there), after injecting the configured fault."""
+        from ray import tune
+
+        folder = Path(self.out_dir) / "trials" / tune.get_context().get_trial_id()
+        attempt = record_attempt(folder)
+        faults.trial_fault(self.fail, config)
+        return folder, attempt
 
 
 @dataclass
