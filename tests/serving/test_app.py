@@ -137,6 +137,44 @@ def test_completions_and_streaming_match(client, embedded_target, reference):
     assert stream[-1].usage.completion_tokens == len(reference[prompt].token_ids)
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_openai_conformance_and_logprobs_through_the_server(server, embedded_target, path):
+    """One real-server pass of tests/serving/test_conformance.py: the body and every chunk validate strictly
+    against the openai types, with and without include_usage; speculative greedy logprobs equal the
+    target's log-softmax from vanilla decoding within 1e-4 (fp32), streamed and not."""
+    import openai.types as oai
+    import openai.types.chat as oai_chat
+
+    from tests.serving.test_access import sse_events
+    from tests.serving.test_conformance import CompletionChunk, conforms, entries_of
+
+    chat, top = path == "chat/completions", 3
+    raw = "The three primary colours are"
+    prompt = [{"role": "user", "content": PROMPTS[2]}] if chat else embedded_target.tokenizer(raw)["input_ids"]
+    vanilla = generate(embedded_target, prompt, max_new_tokens=NEW, logprobs=top)
+    body = {"model": MODEL, "max_tokens": NEW, "temperature": 0, "taps": {"strategy": "single"},
+            **({"messages": prompt, "logprobs": True, "top_logprobs": top} if chat else {"prompt": raw, "logprobs": top})}
+    kind = "/v1/chat/completions" if chat else "/v1/completions"
+    response = requests.post(f"{server}/v1/{path}", json=body, timeout=180)
+    whole = response.json()
+    assert response.status_code == 200, whole
+    conforms(oai_chat.ChatCompletion if chat else oai.Completion, whole)
+    assert whole["taps"]["drafted_steps"] > 0, "the logprobs came from tree verifications"
+    served = entries_of(kind, whole["choices"][0]["logprobs"])
+    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in served]), vanilla.logprobs.logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor([[lp for _, lp in alts] for _, _, alts in served]),
+                               vanilla.logprobs.top_logprobs, atol=1e-4, rtol=0)
+    for usage in (False, True):
+        options = {"stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}
+        response = requests.post(f"{server}/v1/{path}", json={**body, **options}, timeout=180)
+        events = sse_events(response.content)
+        assert events[-1] == "[DONE]" and ("usage" in events[-2]) == usage
+        chunks = [e for e in events[:-1] if e["choices"]]
+        for chunk in events[:-1]:
+            conforms(oai_chat.ChatCompletionChunk if chat else CompletionChunk, chunk)
+        assert [e for c in chunks for e in entries_of(kind, c["choices"][0]["logprobs"])] == served
+
+
 def test_stop_sequences_and_sampling_seed(client, reference):
     prompt = PROMPTS[5]
     full = reference[prompt].text
