@@ -127,7 +127,7 @@ def mixture_context(spec: MixtureSweepSpec, cfg: ExperimentConfig, out: Path, re
 
     from taps_ray.data.mixtures import split_rows
     from taps_ray.sweeps.mixture import MixtureContext, trial_variant
-    from taps_ray.train.launch import heldout_tables
+    from taps_ray.train.variant import heldout_tables
 
     sim = {d: p.dataset or d for d, p in spec.eval.prompts.items()}
     sets = feature_sets(cfg, target.fingerprint.to_dict(), set(spec.mixture.datasets) | set(sim.values()))

@@ -1,9 +1,9 @@
 """Mixture sweep trials: train one drafter on a math:chat mixture with Ray Train and measure tau.
 
 A trial is a Tune function trainable (Train V2 interop): it selects its mixture from the cached
-features (:func:`~taps_ray.data.mixtures.select_mixture` via :func:`~taps_ray.train.launch.plan_variants`,
+features (:func:`~taps_ray.data.mixtures.select_mixture` via :func:`~taps_ray.train.variant.plan_variants`,
 features are never recomputed), builds the variant's ``TorchTrainer`` with
-:func:`~taps_ray.train.launch.build_trainer` and fits it. Every epoch but the last, the workers'
+:func:`~taps_ray.train.variant.build_trainer` and fits it. Every epoch but the last, the workers'
 held-out simulated tau per dataset reaches Tune through :class:`EpochReport` as ``sim_tau/<domain>``
 and ``sim_objective`` (the spec's objective over them), which the ASHA scheduler compares to stop
 weak mixtures early. The final drafter is copied to ``<out>/trials/<trial_id>/drafter`` and a Ray
@@ -102,7 +102,7 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from taps_ray.ray_utils import quiet_ray_data
-    from taps_ray.train.launch import build_trainer, copy_final, plan_variants
+    from taps_ray.train.variant import build_trainer, copy_final, plan_variants
 
     started = time.time()
     folder, attempt = context.begin(config)

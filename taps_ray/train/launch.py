@@ -1,10 +1,6 @@
 """``taps train``: one Ray Train ``TorchTrainer`` per drafter variant, all variants concurrently.
 
-For each selected variant: the held-out split of every prepared dataset (``heldout_rows``,
-``heldout_seed``), the mixture's row selection over the training pools, an optional reduced draft
-vocabulary, a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id, blocks
-in a seeded order), and a ``TorchTrainer`` with its own ``ScalingConfig`` and
-``RunConfig(storage_path=<run_dir>/ray, name=<variant>, FailureConfig(max_failures))``. The target's
+Each selected variant is planned and gets its trainer from :mod:`taps_ray.train.variant`. The target's
 embedding and LM head (the only target weights a drafter needs) and the held-out rows go to the
 object store once and are shared by all variants.
 
@@ -13,9 +9,9 @@ Concurrency: every ``trainer.fit()`` runs in its own (daemon) driver thread. In 
 supports non-main threads (it only skips installing its SIGINT handler there), so the threads cost
 nothing and the Datasets, the target-weight ObjectRef and the results stay in the driver. Ctrl-C
 exits the driver, which takes its controller actors and their workers with it; the checkpoints
-stay for ``--resume``. CPU workers
-get ``(cluster CPUs - 1) / workers`` logical CPUs each (one CPU stays free for Ray Data's read
-tasks, which ask for a quarter CPU each) and the physical cores split fairly as torch threads.
+stay for ``--resume``. CPU workers get ``(cluster CPUs - 1) / workers`` logical CPUs each (one CPU
+stays free for Ray Data's read tasks, which ask for a quarter CPU each) and the physical cores split
+fairly as torch threads.
 
 Outputs under ``<output_dir>/<name>/``: ``drafters/<variant>/`` (``config.json`` +
 ``model.safetensors`` of the final checkpoint, loadable by :meth:`DraftHead.load`;
@@ -40,42 +36,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
-from taps_ray import faults
-from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
-from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
-from taps_ray.data.feature_sets import FeatureCacheError, FeatureSet, load_feature_sets
-from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
+from taps_ray.config import ExperimentConfig, VariantConfig
+from taps_ray.data.feature_sets import FeatureCacheError, load_feature_sets
 from taps_ray.ray_utils import quiet_ray_data
-from taps_ray.runstate import atomic_copy, changed_settings, describe_changes, folder_lock, write_json
-from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
-from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
+from taps_ray.runstate import changed_settings, describe_changes, folder_lock, write_json
+from taps_ray.train.variant import (
+    TrainLaunchError,
+    VariantPlan,
+    build_trainer,
+    copy_final,
+    heldout_tables,
+    plan_variants,
+)
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["new", "resume", "force"]
-FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
-CACHE_BYTES = 2 * 1024**3
-READ_CPUS = 0.25
-
-
-class TrainLaunchError(ValueError):
-    """A ``taps train`` input problem (printed as one line by the CLI)."""
-
-
-@dataclass
-class VariantPlan:
-    """Everything one variant's trainer needs, computed on the driver."""
-
-    variant: VariantConfig
-    train: TrainConfig
-    selection: MixtureSelection
-    heldout: dict[str, np.ndarray]
-    rows: int
-    tokens: int
-    draft_to_target: list[int] | None = None
-    vocab_coverage: float | None = None
 
 
 @dataclass
@@ -178,80 +154,6 @@ def _prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[Varian
     return todo
 
 
-def _row_tokens(fs: FeatureSet, row_ids: np.ndarray) -> int:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(fs.shard_paths(), columns=["row_id", "length"])
-    keep = pc.is_in(table["row_id"], value_set=pa.array(np.asarray(row_ids, dtype=np.int64)))
-    return int(pc.sum(table.filter(keep)["length"]).as_py() or 0)
-
-
-def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: dict[str, FeatureSet],
-                  vocab_size: int, eos_ids: frozenset[int]) -> list[VariantPlan]:
-    """Held-out splits, mixture selections and draft vocabularies of ``variants``."""
-    plans = []
-    for variant in variants:
-        train = cfg.variant_train(variant)
-        splits = {n: split_rows(fs.rows, train.heldout_rows, train.heldout_seed) for n, fs in sets.items()}
-        pools = {n: pool for n, (_, pool) in splits.items()}
-        try:
-            selection = select_mixture(variant.mixture, cfg.mixtures[variant.mixture], pools)
-        except MixtureError as err:
-            raise TrainLaunchError(f"variant {variant.name!r}, mixture {variant.mixture!r}: {err}") from None
-        plan = VariantPlan(variant=variant, train=train, selection=selection,
-                           heldout={n: held for n, (held, _) in splits.items()}, rows=selection.total,
-                           tokens=sum(_row_tokens(sets[n], ids) for n, ids in selection.rows.items()))
-        size = cfg.drafter.draft_vocab_size
-        if size is not None:
-            if train.vocab_source == "mixture":
-                counted = [(sets[n].shard_paths(), ids) for n, ids in selection.rows.items()]
-            else:
-                counted = [(fs.shard_paths(), pools[n]) for n, fs in sets.items()]
-            counts = token_counts(counted, vocab_size)
-            ids = draft_vocabulary(counts, min(size, vocab_size), eos_ids)
-            own = token_counts([(sets[n].shard_paths(), ids_) for n, ids_ in selection.rows.items()], vocab_size)
-            plan.draft_to_target = ids.tolist()
-            plan.vocab_coverage = coverage(own, ids)
-        plans.append(plan)
-    return plans
-
-
-def _select_rows(batch, row_ids: np.ndarray, dataset: str):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    table = batch.filter(pc.is_in(batch["row_id"], value_set=pa.array(row_ids)))
-    return table.append_column("dataset", pa.array([dataset] * table.num_rows, type=pa.string()))
-
-
-def feature_dataset(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray], seed: int | None = None):
-    """Ray Dataset of the feature rows ``rows[dataset]`` of each feature set, plus a ``dataset``
-    column; blocks in a seeded random order when ``seed`` is given."""
-    import ray
-
-    parts = []
-    for name, ids in sorted(rows.items()):
-        if len(ids) == 0:
-            continue
-        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS,
-                                   ray_remote_args={"num_cpus": READ_CPUS})
-        parts.append(ds.map_batches(_select_rows, fn_kwargs={"row_ids": np.asarray(ids, dtype=np.int64),
-                                                             "dataset": name},
-                                    batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS))
-    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    return ds.randomize_block_order(seed=seed) if seed is not None else ds
-
-
-def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> dict:
-    """Held-out feature rows per dataset as pyarrow Tables (read on the driver)."""
-    import pyarrow.parquet as pq
-
-    return {name: _select_rows(pq.read_table(sets[name].shard_paths(), columns=FEATURE_COLUMNS), ids, name)
-            for name, ids in sorted(rows.items()) if len(ids)}
-
-
 def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     """(use GPUs, CPUs per CPU worker, torch threads per CPU worker) for the concurrent variants."""
     import ray
@@ -268,105 +170,6 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     per_worker = max(0.1, round((cpus - 1.0) / workers, 2)) if cpus > 1 else cpus / workers
     threads = max(1, int(cores // workers))
     return gpus, per_worker, threads
-
-
-def copy_final(checkpoint, out: Path) -> None:
-    """Copy the checkpoint's drafter files (and its ``trained_prompts.json``, when it has one; a stale
-    one in ``out`` is removed otherwise) into ``out`` atomically, file by file; ``config.json``, which
-    says whether training is final, comes last."""
-    with checkpoint.as_directory() as directory:
-        source = Path(directory) / DRAFTER_DIR
-        for name in ("model.safetensors", TRAINED_PROMPTS, "config.json"):
-            if name == TRAINED_PROMPTS and not (source / name).is_file():
-                (out / name).unlink(missing_ok=True)
-                continue
-            atomic_copy(source / name, out / name)
-
-
-def trained_prompts(sets: dict[str, FeatureSet], selection: MixtureSelection) -> dict:
-    """The ``trained_prompts.json`` record of a mixture: the union of the prompt hashes of every feature
-    set it selects rows from (a feature set without recorded prompts is logged and left out)."""
-    hashes: set[str] = set()
-    sources = []
-    for name, ids in sorted(selection.rows.items()):
-        if len(ids) == 0:
-            continue
-        recorded = sets[name].prompt_hashes()
-        if recorded is None:
-            log.warning("features of %r at %s record no prompts (%s); run `taps prepare` to add them, else "
-                        "evaluation cannot exclude what this drafter saw of %r", name, sets[name].path,
-                        FEATURE_PROMPTS, name)
-            continue
-        hashes.update(recorded)
-        sources.append(f"{name}: {sets[name].manifest.get('origin')}")
-    return trained_prompts_record(hashes, sources)
-
-
-def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
-                   weights, heldout, target_config, fingerprint: dict, gpus_present: bool, cpus: float,
-                   threads: int, callbacks: list | None = None):
-    """The ``TorchTrainer`` of one planned variant (``callbacks``: Ray Train ``UserCallback``s, e.g. a
-    Tune report callback when a sweep trial drives it)."""
-    from ray.data import ExecutionOptions
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    variant, train = plan.variant, plan.train
-    use_gpu = gpus_present if train.use_gpu == "auto" else bool(train.use_gpu)
-    resources = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": cpus}
-    worker_threads = train.threads or (4 if use_gpu else threads)
-    out = run_dir / "drafters" / variant.name
-    loop_config = {
-        "variant": variant.name,
-        "objective": variant.objective_config().model_dump(),
-        "train": train.model_dump(),
-        "target_config": target_config,
-        "fingerprint": fingerprint,
-        "weights": weights,
-        "draft_to_target": plan.draft_to_target,
-        "drafter_seed": cfg.drafter.seed,
-        "train_rows": plan.rows,
-        "datasets": sorted(plan.selection.rows),
-        "heldout": heldout,
-        "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
-        "metrics_path": str(out / "metrics.jsonl"),
-        "threads": worker_threads,
-        "fail_at_step": os.environ.get(faults.TRAIN_ENV),
-        "trained_prompts": trained_prompts(sets, plan.selection),
-        "meta": {
-            "variant": variant.name,
-            "mixture": {"name": variant.mixture, "counts": plan.selection.counts,
-                        "describe": plan.selection.describe()},
-            "data": {n: {"origin": sets[n].manifest.get("origin"), "rows": int(ids.size),
-                         "features": str(sets[n].path)} for n, ids in plan.selection.rows.items()},
-            "draft_vocab": None if plan.draft_to_target is None else {
-                "size": len(plan.draft_to_target), "source": train.vocab_source,
-                "coverage": round(plan.vocab_coverage or 0.0, 5)},
-            "experiment": cfg.name,
-        },
-    }
-    datasets = {"train": feature_dataset(sets, plan.selection.rows, seed=train.seed)}
-    options = ExecutionOptions(preserve_order=True)
-    return _trainer_class()(
-        train_loop_per_worker,
-        train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=variant.name, storage_path=str(run_dir / "ray"),
-                             failure_config=FailureConfig(max_failures=train.max_failures), callbacks=callbacks,
-                             checkpoint_config=CheckpointConfig(num_to_keep=2),
-                             logging_config=LoggingConfig(log_level="ERROR")),
-        datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=options),
-    )
-
-
-def _trainer_class():
-    """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
-    state API, which needs a dashboard (see :mod:`taps_ray.train.placement`)."""
-    from ray.train.torch import TorchTrainer
-
-    from taps_ray.ray_compat import trainer_replacing_placement_group_cleaner
-    from taps_ray.train.placement import ReaperCallback
-
-    return trainer_replacing_placement_group_cleaner(TorchTrainer, ReaperCallback, "DrafterTrainer")
 
 
 def _load_target(cfg: ExperimentConfig):
@@ -442,29 +245,9 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
     print(f"taps train: {len(plans)} variant(s) concurrently -> {run_dir} "
           f"({'GPU' if gpus else f'{cpus:g} CPU / {threads} thread(s)'} per worker)", flush=True)
 
-    def fit(plan: VariantPlan) -> VariantResult:
-        name = plan.variant.name
-        epochs = plan.train.epochs + (plan.train.stage2.epochs if plan.train.stage2 else 0)
-        steps = epochs * math.ceil((plan.rows // plan.train.num_workers) / plan.train.batch_size)
-        result = VariantResult(name, plan.variant.algorithm, plan.variant.mixture, plan.rows, plan.tokens,
-                               epochs, steps, 0.0, started=time.time())
-        threading.current_thread().name = f"train-{name}"
-        try:
-            fitted = trainers[name].fit()
-            out = run_dir / "drafters" / name
-            copy_final(fitted.checkpoint, out)
-            result.metrics = dict(fitted.metrics or {})
-            result.drafter_dir = str(out)
-        except Exception as err:  # a failed variant must not stop the others
-            result.status, result.error = "failed", f"{type(err).__name__}: {err}"
-            log.error("variant %s failed: %s", name, result.error)
-        result.finished = time.time()
-        result.wall_s = result.finished - result.started
-        print(f"taps train: {name} {result.status} in {result.wall_s:.0f}s", flush=True)
-        return result
-
     results: dict[str, VariantResult] = {}
-    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p.variant.name, fit(p)), daemon=True)
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(
+                   p.variant.name, _fit(p, trainers[p.variant.name], run_dir)), daemon=True)
                for p in plans]
     for thread in threads:
         thread.start()
@@ -477,6 +260,30 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
               file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     return _summarize(run_dir, [results[p.variant.name] for p in plans], time.time() - started)
+
+
+def _fit(plan: VariantPlan, trainer, run_dir: Path) -> VariantResult:
+    """Fit one variant's ``trainer`` (in this thread) and copy its final drafter; a failure is the
+    result's status, never raised, so it cannot stop the other variants."""
+    name = plan.variant.name
+    epochs = plan.train.epochs + (plan.train.stage2.epochs if plan.train.stage2 else 0)
+    steps = epochs * math.ceil((plan.rows // plan.train.num_workers) / plan.train.batch_size)
+    result = VariantResult(name, plan.variant.algorithm, plan.variant.mixture, plan.rows, plan.tokens,
+                           epochs, steps, 0.0, started=time.time())
+    threading.current_thread().name = f"train-{name}"
+    try:
+        fitted = trainer.fit()
+        out = run_dir / "drafters" / name
+        copy_final(fitted.checkpoint, out)
+        result.metrics = dict(fitted.metrics or {})
+        result.drafter_dir = str(out)
+    except Exception as err:  # a failed variant must not stop the others
+        result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+        log.error("variant %s failed: %s", name, result.error)
+    result.finished = time.time()
+    result.wall_s = result.finished - result.started
+    print(f"taps train: {name} {result.status} in {result.wall_s:.0f}s", flush=True)
+    return result
 
 
 def _summarize(run_dir: Path, results: list[VariantResult], wall_s: float) -> TrainSummary:
@@ -516,3 +323,4 @@ def summary_table(summary: TrainSummary) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nwall time {summary.wall_s:.0f}s; outputs in {summary.run_dir}")
     return "\n".join(lines)
+

@@ -1,6 +1,6 @@
 """Ray Train worker loop of one drafter variant: ``TorchTrainer(train_loop_per_worker, ...)``.
 
-``config`` (built by :mod:`taps_ray.train.launch`): ``variant``, ``objective`` and ``train``
+``config`` (built by :func:`taps_ray.train.variant.build_trainer`): ``variant``, ``objective`` and ``train``
 (:class:`ObjectiveConfig` / :class:`TrainConfig` dumps), ``target_config`` (the target's HF config),
 ``fingerprint`` (dict), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
 the target's frozen tensors), ``draft_to_target`` (list of target ids or None), ``drafter_seed``,

@@ -25,7 +25,8 @@ from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureSelection
 from taps_ray.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
-from taps_ray.train.launch import TrainLaunchError, run_training, trained_prompts
+from taps_ray.train.launch import TrainLaunchError, run_training
+from taps_ray.train.variant import trained_prompts
 from tests.conftest import REPO
 from tests.train.train_helpers import drafter_tensors, tiny_experiment
 

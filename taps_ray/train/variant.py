@@ -1,0 +1,226 @@
+"""One drafter variant: its plan (held-out split, mixture rows, draft vocabulary) and its Ray Train
+``TorchTrainer``; ``taps train`` (:mod:`taps_ray.train.launch`) and the mixture sweep trial share them.
+
+The plan holds the held-out split of every prepared dataset (``heldout_rows``, ``heldout_seed``), the
+mixture's row selection over the training pools and an optional reduced draft vocabulary. The
+trainer reads a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id, blocks
+in a seeded order) and has its own ``ScalingConfig`` and
+``RunConfig(storage_path=<run_dir>/ray, name=<variant>, FailureConfig(max_failures))``. A variant's
+final drafter records ``trained_prompts.json``, the prompt hashes of every feature set its mixture
+drew from (:mod:`taps_ray.data.contamination`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from taps_ray import faults
+from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
+from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
+from taps_ray.data.feature_sets import FeatureSet
+from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
+from taps_ray.runstate import atomic_copy
+from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
+from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
+
+log = logging.getLogger(__name__)
+
+FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
+CACHE_BYTES = 2 * 1024**3
+READ_CPUS = 0.25
+
+
+class TrainLaunchError(ValueError):
+    """A ``taps train`` input problem (printed as one line by the CLI)."""
+
+
+@dataclass
+class VariantPlan:
+    """Everything one variant's trainer needs, computed on the driver."""
+
+    variant: VariantConfig
+    train: TrainConfig
+    selection: MixtureSelection
+    heldout: dict[str, np.ndarray]
+    rows: int
+    tokens: int
+    draft_to_target: list[int] | None = None
+    vocab_coverage: float | None = None
+
+
+def _row_tokens(fs: FeatureSet, row_ids: np.ndarray) -> int:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(fs.shard_paths(), columns=["row_id", "length"])
+    keep = pc.is_in(table["row_id"], value_set=pa.array(np.asarray(row_ids, dtype=np.int64)))
+    return int(pc.sum(table.filter(keep)["length"]).as_py() or 0)
+
+
+def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: dict[str, FeatureSet],
+                  vocab_size: int, eos_ids: frozenset[int]) -> list[VariantPlan]:
+    """Held-out splits, mixture selections and draft vocabularies of ``variants``."""
+    plans = []
+    for variant in variants:
+        train = cfg.variant_train(variant)
+        splits = {n: split_rows(fs.rows, train.heldout_rows, train.heldout_seed) for n, fs in sets.items()}
+        pools = {n: pool for n, (_, pool) in splits.items()}
+        try:
+            selection = select_mixture(variant.mixture, cfg.mixtures[variant.mixture], pools)
+        except MixtureError as err:
+            raise TrainLaunchError(f"variant {variant.name!r}, mixture {variant.mixture!r}: {err}") from None
+        plan = VariantPlan(variant=variant, train=train, selection=selection,
+                           heldout={n: held for n, (held, _) in splits.items()}, rows=selection.total,
+                           tokens=sum(_row_tokens(sets[n], ids) for n, ids in selection.rows.items()))
+        size = cfg.drafter.draft_vocab_size
+        if size is not None:
+            if train.vocab_source == "mixture":
+                counted = [(sets[n].shard_paths(), ids) for n, ids in selection.rows.items()]
+            else:
+                counted = [(fs.shard_paths(), pools[n]) for n, fs in sets.items()]
+            counts = token_counts(counted, vocab_size)
+            ids = draft_vocabulary(counts, min(size, vocab_size), eos_ids)
+            own = token_counts([(sets[n].shard_paths(), ids_) for n, ids_ in selection.rows.items()], vocab_size)
+            plan.draft_to_target = ids.tolist()
+            plan.vocab_coverage = coverage(own, ids)
+        plans.append(plan)
+    return plans
+
+
+def _select_rows(batch, row_ids: np.ndarray, dataset: str):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = batch.filter(pc.is_in(batch["row_id"], value_set=pa.array(row_ids)))
+    return table.append_column("dataset", pa.array([dataset] * table.num_rows, type=pa.string()))
+
+
+def feature_dataset(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray], seed: int | None = None):
+    """Ray Dataset of the feature rows ``rows[dataset]`` of each feature set, plus a ``dataset``
+    column; blocks in a seeded random order when ``seed`` is given."""
+    import ray
+
+    parts = []
+    for name, ids in sorted(rows.items()):
+        if len(ids) == 0:
+            continue
+        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS,
+                                   ray_remote_args={"num_cpus": READ_CPUS})
+        parts.append(ds.map_batches(_select_rows, fn_kwargs={"row_ids": np.asarray(ids, dtype=np.int64),
+                                                             "dataset": name},
+                                    batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS))
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    return ds.randomize_block_order(seed=seed) if seed is not None else ds
+
+
+def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> dict:
+    """Held-out feature rows per dataset as pyarrow Tables (read on the driver)."""
+    import pyarrow.parquet as pq
+
+    return {name: _select_rows(pq.read_table(sets[name].shard_paths(), columns=FEATURE_COLUMNS), ids, name)
+            for name, ids in sorted(rows.items()) if len(ids)}
+
+
+def copy_final(checkpoint, out: Path) -> None:
+    """Copy the checkpoint's drafter files (and its ``trained_prompts.json``, when it has one; a stale
+    one in ``out`` is removed otherwise) into ``out`` atomically, file by file; ``config.json``, which
+    says whether training is final, comes last."""
+    with checkpoint.as_directory() as directory:
+        source = Path(directory) / DRAFTER_DIR
+        for name in ("model.safetensors", TRAINED_PROMPTS, "config.json"):
+            if name == TRAINED_PROMPTS and not (source / name).is_file():
+                (out / name).unlink(missing_ok=True)
+                continue
+            atomic_copy(source / name, out / name)
+
+
+def trained_prompts(sets: dict[str, FeatureSet], selection: MixtureSelection) -> dict:
+    """The ``trained_prompts.json`` record of a mixture: the union of the prompt hashes of every feature
+    set it selects rows from (a feature set without recorded prompts is logged and left out)."""
+    hashes: set[str] = set()
+    sources = []
+    for name, ids in sorted(selection.rows.items()):
+        if len(ids) == 0:
+            continue
+        recorded = sets[name].prompt_hashes()
+        if recorded is None:
+            log.warning("features of %r at %s record no prompts (%s); run `taps prepare` to add them, else "
+                        "evaluation cannot exclude what this drafter saw of %r", name, sets[name].path,
+                        FEATURE_PROMPTS, name)
+            continue
+        hashes.update(recorded)
+        sources.append(f"{name}: {sets[name].manifest.get('origin')}")
+    return trained_prompts_record(hashes, sources)
+
+
+def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets: dict[str, FeatureSet],
+                   weights, heldout, target_config, fingerprint: dict, gpus_present: bool, cpus: float,
+                   threads: int, callbacks: list | None = None):
+    """The ``TorchTrainer`` of one planned variant (``callbacks``: Ray Train ``UserCallback``s, e.g. a
+    Tune report callback when a sweep trial drives it)."""
+    from ray.data import ExecutionOptions
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    variant, train = plan.variant, plan.train
+    use_gpu = gpus_present if train.use_gpu == "auto" else bool(train.use_gpu)
+    resources = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": cpus}
+    worker_threads = train.threads or (4 if use_gpu else threads)
+    out = run_dir / "drafters" / variant.name
+    loop_config = {
+        "variant": variant.name,
+        "objective": variant.objective_config().model_dump(),
+        "train": train.model_dump(),
+        "target_config": target_config,
+        "fingerprint": fingerprint,
+        "weights": weights,
+        "draft_to_target": plan.draft_to_target,
+        "drafter_seed": cfg.drafter.seed,
+        "train_rows": plan.rows,
+        "datasets": sorted(plan.selection.rows),
+        "heldout": heldout,
+        "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
+        "metrics_path": str(out / "metrics.jsonl"),
+        "threads": worker_threads,
+        "fail_at_step": os.environ.get(faults.TRAIN_ENV),
+        "trained_prompts": trained_prompts(sets, plan.selection),
+        "meta": {
+            "variant": variant.name,
+            "mixture": {"name": variant.mixture, "counts": plan.selection.counts,
+                        "describe": plan.selection.describe()},
+            "data": {n: {"origin": sets[n].manifest.get("origin"), "rows": int(ids.size),
+                         "features": str(sets[n].path)} for n, ids in plan.selection.rows.items()},
+            "draft_vocab": None if plan.draft_to_target is None else {
+                "size": len(plan.draft_to_target), "source": train.vocab_source,
+                "coverage": round(plan.vocab_coverage or 0.0, 5)},
+            "experiment": cfg.name,
+        },
+    }
+    datasets = {"train": feature_dataset(sets, plan.selection.rows, seed=train.seed)}
+    options = ExecutionOptions(preserve_order=True)
+    return _trainer_class()(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(name=variant.name, storage_path=str(run_dir / "ray"),
+                             failure_config=FailureConfig(max_failures=train.max_failures), callbacks=callbacks,
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             logging_config=LoggingConfig(log_level="ERROR")),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=options),
+    )
+
+
+def _trainer_class():
+    """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
+    state API, which needs a dashboard (see :mod:`taps_ray.train.placement`)."""
+    from ray.train.torch import TorchTrainer
+
+    from taps_ray.ray_compat import trainer_replacing_placement_group_cleaner
+    from taps_ray.train.placement import ReaperCallback
+
+    return trainer_replacing_placement_group_cleaner(TorchTrainer, ReaperCallback, "DrafterTrainer")
