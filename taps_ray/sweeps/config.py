@@ -19,16 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from taps_ray.config import (
-    ConfigError,
-    ObjectiveConfig,
-    Strict,
-    TrainConfig,
-    TreeConfig,
-    apply_overrides,
-    format_validation_error,
-    load_yaml,
-)
+from taps_ray.config import ObjectiveConfig, Strict, TrainConfig, TreeConfig
+from taps_ray.config_loading import ConfigError, apply_overrides, format_validation_error, load_yaml
 from taps_ray.data.benchmarks import BENCHMARKS
 
 RATIO_KEYS = ("ratio", "total", "algorithm")
