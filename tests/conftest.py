@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,17 @@ from taps_ray.config import TargetConfig
 from taps_ray.models.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch intra-op threads; the previous count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llama_config(vocab_size: int = 256, hidden_size: int = 64, layers: int = 2) -> LlamaConfig:

@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.eval.bench import run_bench, write_report
 from taps_ray.models.drafter import DraftHead
+from tests.conftest import torch_threads
 from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
 
 
 @pytest.fixture
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def test_bench_tiny_target(tmp_path, one_thread):

@@ -7,7 +7,6 @@ from collections import Counter
 from functools import partial
 
 import pytest
-import torch
 
 from taps_ray.config import load_config
 from taps_ray.data.benchmarks import BenchmarkQuestion
@@ -17,6 +16,7 @@ from taps_ray.eval.records import RECORDS, RUN_FILE, read_records, record_key
 from taps_ray.eval.runner import run_eval
 from taps_ray.eval.worker import EvalWorker, Unit, conversation_ids
 from taps_ray.spec.decoder import generate
+from tests.conftest import torch_threads
 from tests.eval.eval_helpers import chat_tiny_target
 
 QUESTIONS = {
@@ -31,10 +31,8 @@ BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "tree.lookup_toke
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def config(*extra: str):
