@@ -381,6 +381,9 @@ class ServeConfig(Strict):
         "Bearer keys accepted on every route but /health and /ready (also --api-key and TAPS_API_KEY; none: "
         "open); never dumped"))
     docs: bool = Field(default=False, description="serve FastAPI's /docs, /redoc and /openapi.json")
+    metrics_names: Literal["taps", "vllm"] = Field(default="taps", description=(
+        "metric names: taps (taps_* only) or vllm (vLLM's spec-decode, request and latency names as well, "
+        "so dashboards built for vLLM work; see serving/metrics.py)"))
     allowed_hosts: list[str] = Field(default_factory=list, description=(
         "accepted Host header names (*.example.com wildcards; empty: any)"))
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, description="request-body cap (413 beyond it)")

@@ -149,7 +149,7 @@ class Ingress:
         self.sampling = SamplingConfig(**sampling).model_dump()
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
-        self.metrics = serving_metrics.register(ServingMetrics(model_name))
+        self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.metrics_names))
         self.created = protocol.now()
         self._ready: tuple[float, dict] | None = None
         self._controller = None

@@ -1,11 +1,37 @@
-"""Prometheus metrics of the ingress, vLLM-like names prefixed ``taps_``.
+"""The ingress' metrics: one table of series (:data:`SERIES`), recorded through Ray Serve's metrics
+and into the replica's own Prometheus page.
 
-Counted from each finished request's ``taps`` block (see :func:`taps_ray.serving.verifier.summarize`):
-a draft is one verified tree, draft tokens are its nodes besides the root, accepted tokens per
-position count steps whose accepted length reached that position (0-based, as vLLM counts).
+Where to read them. Every value goes to a ``ray.serve.metrics`` series: all ingress replicas record
+into the same series, which Ray tags with ``deployment``, ``replica`` and ``application``; Ray's
+metrics export (each node's Prometheus endpoint, ``ray.nodes()[i]["MetricsExportPort"]``, which
+Ray's dashboard and Grafana read) serves them cluster-wide as ``ray_<name>`` (counters
+``ray_<name>_total``). The same values also go to a per-replica ``prometheus_client`` registry that
+``GET /metrics`` renders: with several ingress replicas each page shows only the share of the
+replica that answered it.
+
+Names. Every series has a ``taps_`` name. With ``serve.metrics_names: vllm`` the series vLLM also
+has are recorded a second time under vLLM's name, so dashboards built for vLLM work: on
+``/metrics`` as a vLLM server writes them (``vllm:spec_decode_num_drafts_total``), in Ray's export
+as vLLM's own Ray stat logger writes them (``:`` becomes ``_``, which Ray requires:
+``ray_vllm_spec_decode_num_drafts_total``, what Ray Serve LLM's dashboard reads).
+
+Meaning, counted from each finished request's ``taps`` block (see
+:func:`taps_ray.serving.verifier.summarize`), as vLLM counts: a draft is one verified tree (one
+drafted step), its draft tokens are the tree's nodes besides the root, accepted tokens are draft
+tokens the target accepted before any trimming (at ``max_tokens``, EOS or a stop sequence), and
+per-position accepted tokens count drafts whose accepted path reached that position (0-based). So
+``1 + accepted / drafts`` is vLLM's mean acceptance length, and equals tau
+(:func:`taps_ray.spec.stats.acceptance_length`) of the same steps before trimming when every step
+drafted. Inter-token latency is one observation per verification step (as vLLM observes one per
+engine step): each step of a request counts that request's mean step time, decode time after the
+first token over its steps, so the series' sum and count are exact.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,62 +42,164 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from ray.serve import metrics as serve_metrics
 
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 disable_created_metrics()
 
+MetricsNames = Literal["taps", "vllm"]
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
+@dataclass(frozen=True)
+class Series:
+    """One metric: ``kind`` counter, gauge or histogram, its ``taps_`` name (counters without
+    ``_total``), help text, labels besides ``model_name``, histogram buckets, vLLM's name if it has one."""
+
+    kind: Literal["counter", "gauge", "histogram"]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    vllm: str | None = None
+
+
+SERIES = {s.name: s for s in (
+    Series("counter", "taps_request_success", "Finished requests by finish reason", ("finished_reason",),
+           vllm="vllm:request_success"),
+    Series("counter", "taps_request_failure", "Requests answered with an error, by HTTP status", ("status",)),
+    Series("gauge", "taps_num_requests_running", "Requests being decoded", vllm="vllm:num_requests_running"),
+    Series("gauge", "taps_num_requests_waiting", "Requests waiting for a verifier slot",
+           vllm="vllm:num_requests_waiting"),
+    Series("counter", "taps_request_aborted", "Requests given up before they finished, by reason (disconnect: the "
+           "client hung up; timeout: serve.request_timeout_s ran out in the queue)", ("reason",)),
+    Series("counter", "taps_prompt_tokens", "Prompt tokens of finished requests", vllm="vllm:prompt_tokens"),
+    Series("counter", "taps_generation_tokens", "Generated tokens of finished requests",
+           vllm="vllm:generation_tokens"),
+    Series("counter", "taps_spec_decode_num_steps", "Target verification steps (drafted or plain)"),
+    Series("counter", "taps_spec_decode_num_drafts", "Verified draft trees", vllm="vllm:spec_decode_num_drafts"),
+    Series("counter", "taps_spec_decode_num_draft_tokens", "Verified draft tree nodes (root excluded)",
+           vllm="vllm:spec_decode_num_draft_tokens"),
+    Series("counter", "taps_spec_decode_num_accepted_tokens", "Accepted draft tokens (before trimming)",
+           vllm="vllm:spec_decode_num_accepted_tokens"),
+    Series("counter", "taps_spec_decode_num_accepted_tokens_per_pos",
+           "Accepted draft tokens by position in the accepted path (0-based)", ("position",),
+           vllm="vllm:spec_decode_num_accepted_tokens_per_pos"),
+    Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree"),
+    Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",)),
+    Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason")),
+    Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",)),
+    Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS),
+    Series("histogram", "taps_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
+           vllm="vllm:e2e_request_latency_seconds"),
+    Series("histogram", "taps_time_to_first_token_seconds", "Time to the first generated text",
+           buckets=LATENCY_BUCKETS, vllm="vllm:time_to_first_token_seconds"),
+    Series("histogram", "taps_time_per_output_token_seconds", "Decode time per generated token",
+           buckets=TOKEN_BUCKETS),
+    Series("histogram", "taps_inter_token_latency_seconds", "Time per verification step after the first token "
+           "(one observation per step: the request's mean)", buckets=TOKEN_BUCKETS,
+           vllm="vllm:inter_token_latency_seconds"),
+)}
+"""Every series, by ``taps_`` name."""
+
+
+def ray_name(name: str) -> str:
+    """``name`` as recorded through Ray (``:`` is not allowed there; vLLM maps it to ``_`` too)."""
+    return name.replace(":", "_")
+
+
+_PROMETHEUS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+_RAY = {"counter": serve_metrics.Counter, "gauge": serve_metrics.Gauge, "histogram": serve_metrics.Histogram}
+
+
+class Family:
+    """One :class:`Series` under each of its names, in the replica's registry and through Ray Serve;
+    ``labels(model, *values)`` gives the child to ``inc`` / ``dec`` / ``observe``, as prometheus_client
+    does. Ray gauges only take ``set``: the value per label set is kept here."""
+
+    def __init__(self, series: Series, names: tuple[str, ...], registry: CollectorRegistry):
+        self.series = series
+        self.keys = ("model_name", *series.labels)
+        extra = {"buckets": series.buckets} if series.kind == "histogram" else {}
+        self.pages = [_PROMETHEUS[series.kind](n, series.doc, list(self.keys), registry=registry, **extra)
+                      for n in names]
+        extra = {"boundaries": list(series.buckets)} if series.kind == "histogram" else {}
+        self.rays = [_RAY[series.kind](ray_name(n), series.doc, tag_keys=self.keys, **extra) for n in names]
+        self.values: dict[tuple[str, ...], float] = {}
+        self.lock = threading.Lock()
+
+    def labels(self, *values: str) -> _Child:
+        if len(values) != len(self.keys):
+            raise ValueError(f"{self.series.name}: labels {self.keys}, got {values}")
+        return _Child(self, tuple(str(v) for v in values))
+
+
+class _Child:
+    def __init__(self, family: Family, values: tuple[str, ...]):
+        self.family, self.values = family, values
+        self.tags = dict(zip(family.keys, values))
+        self.pages = [page.labels(*values) for page in family.pages]
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount == 0:
+            return
+        for page in self.pages:
+            page.inc(amount)
+        if self.family.series.kind == "gauge":
+            self._set_ray(amount)
+        else:
+            for metric in self.family.rays:
+                metric.inc(amount, tags=self.tags)
+
+    def dec(self, amount: float = 1.0) -> None:
+        for page in self.pages:
+            page.dec(amount)
+        self._set_ray(-amount)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """Observe ``value`` ``times`` times."""
+        for _ in range(times):
+            for page in self.pages:
+                page.observe(value)
+            for metric in self.family.rays:
+                metric.observe(value, tags=self.tags)
+
+    def _set_ray(self, delta: float) -> None:
+        family = self.family
+        with family.lock:
+            value = family.values[self.values] = family.values.get(self.values, 0.0) + delta
+        for metric in family.rays:
+            metric.set(value, tags=self.tags)
+
+
 class ServingMetrics:
-    """The serving counters and histograms in their own registry."""
+    """Every series of :data:`SERIES` as an attribute (``success``, ``running``, ...), under the
+    ``taps_`` names and, with ``names="vllm"``, vLLM's as well; :meth:`render` is the replica's page."""
 
     content_type = CONTENT_TYPE_LATEST
+    ATTRIBUTES = {
+        "success": "taps_request_success", "failure": "taps_request_failure",
+        "running": "taps_num_requests_running", "waiting": "taps_num_requests_waiting",
+        "aborted": "taps_request_aborted", "prompt_tokens": "taps_prompt_tokens",
+        "generation_tokens": "taps_generation_tokens", "steps": "taps_spec_decode_num_steps",
+        "drafts": "taps_spec_decode_num_drafts", "draft_tokens": "taps_spec_decode_num_draft_tokens",
+        "accepted_tokens": "taps_spec_decode_num_accepted_tokens",
+        "accepted_per_pos": "taps_spec_decode_num_accepted_tokens_per_pos",
+        "plain_steps": "taps_spec_decode_num_plain_steps", "route_decisions": "taps_spec_decode_route_decisions",
+        "drafter_skips": "taps_drafter_skipped_steps", "strategy_requests": "taps_strategy_requests",
+        "tau": "taps_acceptance_length", "e2e": "taps_e2e_request_latency_seconds",
+        "ttft": "taps_time_to_first_token_seconds", "tpot": "taps_time_per_output_token_seconds",
+        "itl": "taps_inter_token_latency_seconds",
+    }
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, names: MetricsNames = "taps"):
         self.model = model
-        self.registry = registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.success = Counter("taps_request_success", "Finished requests by finish reason",
-                               labels + ["finished_reason"], registry=registry)
-        self.failure = Counter("taps_request_failure", "Requests answered with an error, by HTTP status",
-                               labels + ["status"], registry=registry)
-        self.running = Gauge("taps_num_requests_running", "Requests being decoded", labels, registry=registry)
-        self.waiting = Gauge("taps_num_requests_waiting", "Requests waiting for a verifier slot", labels,
-                             registry=registry)
-        self.aborted = Counter("taps_request_aborted", "Requests given up before they finished, by reason "
-                               "(disconnect: the client hung up; timeout: serve.request_timeout_s ran out in the queue)",
-                               labels + ["reason"], registry=registry)
-        self.prompt_tokens = Counter("taps_prompt_tokens", "Prompt tokens of finished requests", labels,
-                                     registry=registry)
-        self.generation_tokens = Counter("taps_generation_tokens", "Generated tokens of finished requests", labels,
-                                         registry=registry)
-        self.steps = Counter("taps_spec_decode_num_steps", "Target verification steps (drafted or plain)", labels,
-                             registry=registry)
-        self.drafts = Counter("taps_spec_decode_num_drafts", "Verified draft trees", labels, registry=registry)
-        self.draft_tokens = Counter("taps_spec_decode_num_draft_tokens", "Verified draft tree nodes (root excluded)",
-                                    labels, registry=registry)
-        self.accepted_tokens = Counter("taps_spec_decode_num_accepted_tokens", "Accepted draft tokens", labels,
-                                       registry=registry)
-        self.accepted_per_pos = Counter("taps_spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by position in the accepted path (0-based)",
-                                        labels + ["position"], registry=registry)
-        self.plain_steps = Counter("taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree",
-                                   labels, registry=registry)
-        self.route_decisions = Counter("taps_spec_decode_route_decisions", "Routing decisions by chosen drafter",
-                                       labels + ["drafter"], registry=registry)
-        self.drafter_skips = Counter("taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason",
-                                     labels + ["drafter", "reason"], registry=registry)
-        self.strategy_requests = Counter("taps_strategy_requests", "Finished requests by strategy",
-                                         labels + ["strategy"], registry=registry)
-        self.tau = Histogram("taps_acceptance_length", "Per-request tau (tokens appended per step)", labels,
-                             buckets=TAU_BUCKETS, registry=registry)
-        self.e2e = Histogram("taps_e2e_request_latency_seconds", "End-to-end request latency", labels,
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttft = Histogram("taps_time_to_first_token_seconds", "Time to the first generated text", labels,
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.tpot = Histogram("taps_time_per_output_token_seconds", "Decode time per generated token", labels,
-                              buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=registry)
+        self.registry = CollectorRegistry()
+        for attribute, name in self.ATTRIBUTES.items():
+            series = SERIES[name]
+            both = (name, series.vllm) if names == "vllm" and series.vllm else (name,)
+            setattr(self, attribute, Family(series, both, self.registry))
 
     def finished(self, finish: str, usage: dict, taps: dict, latency_s: float, ttft_s: float | None) -> None:
         m = self.model
@@ -84,9 +212,9 @@ class ServingMetrics:
         self.draft_tokens.labels(m).inc(taps["draft_tokens"])
         self.accepted_tokens.labels(m).inc(taps["accepted_tokens"])
         self.plain_steps.labels(m).inc(taps["plain_steps"])
-        for accepted in taps["accept_lengths"]:
-            for position in range(accepted):
-                self.accepted_per_pos.labels(m, str(position)).inc()
+        reached = [sum(a > p for a in taps["accept_lengths"]) for p in range(max(taps["accept_lengths"], default=0))]
+        for position, count in enumerate(reached):
+            self.accepted_per_pos.labels(m, str(position)).inc(count)
         for drafter, count in taps["route_decisions"].items():
             self.route_decisions.labels(m, drafter).inc(count)
         for drafter, reasons in taps["skipped"].items():
@@ -99,6 +227,8 @@ class ServingMetrics:
             self.ttft.labels(m).observe(ttft_s)
             if usage["completion_tokens"] > 1:
                 self.tpot.labels(m).observe((latency_s - ttft_s) / (usage["completion_tokens"] - 1))
+            if taps["steps"]:
+                self.itl.labels(m).observe((latency_s - ttft_s) / taps["steps"], times=taps["steps"])
 
     def failed(self, status: int) -> None:
         self.failure.labels(self.model, str(status)).inc()
