@@ -3,8 +3,8 @@
     python benchmarks/bench_serving.py configs/demo.yaml \
         'serve.drafters={math: runs/demo/drafters/hass-math, chat: runs/demo/drafters/hass-chat}' \
         --strategy single --prompts 6 --max-tokens 64 \
-        [--soak 120 --concurrency 8 --soak-strategy merged:budget --kill-drafter-after 30] \
-        [--out runs/bench/serving.json]
+        [--soak 120 --concurrency 8 --soak-strategy merged:budget --kill-drafter-after 30 \
+         --hangup-fraction 0.2] [--out runs/bench/serving.json]
 
 1. In-process, before Ray starts: the config's target and the strategy's drafters decode
    ``--prompts`` prompts of ``benchmarks/load_test.py`` greedily, one after another.
@@ -14,13 +14,19 @@
    per-step split (waiting for drafts, drafting, verifying), the ratios to both in-process figures
    (medians over rounds), and whether every text equals the in-process one. Each round also runs
    the in-process decoding in a separate process that never joins Ray (what an idle Ray cluster
-   on the same cores costs any process).
+   on the same cores costs any process). ``--rounds 0`` skips 1. and 2.
 3. ``--soak S``: ``--concurrency`` clients for S seconds with ``--soak-strategy`` (default
-   ``--strategy``), outputs checked against in-process greedy (the load test); replica RSS
-   sampled every 5 s (``memory_mib``: first, middle, last, largest sample and the growth over the
-   second half, per deployment) and, once the load is over, the drafting sessions still open and
-   the verifier's requests in flight (``left_behind``: all 0 when nothing is kept per request); with
-   ``--kill-drafter-after T`` one drafter replica is killed T seconds in.
+   ``--strategy``), a ``--hangup-fraction`` of them hanging up after the first content chunk and
+   429s retried after their Retry-After (the load test's outcomes: completed, hung up, still refused,
+   errors); completed outputs checked against in-process greedy once the load is over. The resident
+   memory of every process of this Ray session (the benchmark process's descendants: GCS, raylet,
+   Serve controller, proxy, replicas, agents, idle workers) and of the benchmark process is sampled
+   every ``--sample-every`` seconds and summed per group (:func:`process_group`; ``memory_mib``:
+   start, end, max and the least-squares slope over the whole load and its second half, MiB/min);
+   once the load is over, the drafting sessions still open and the verifier's requests in flight
+   (``left_behind``: all 0 when nothing is kept per request); with ``--kill-drafter-after T`` one
+   drafter replica is killed T seconds in. The serve limits in force (``serve.max_concurrent_requests``,
+   ``serve.max_queued_requests``: set them as overrides) are recorded.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_test import PROMPTS  # noqa: E402
+from load_test import PROMPTS, Record, verify  # noqa: E402
 from load_test import run as run_load  # noqa: E402
 
 
@@ -85,13 +91,28 @@ def http_single_stream(load: argparse.Namespace, count: int) -> dict:
             "steps": sum(r["taps"].get("steps", 0) for r in single["records"])}
 
 
-def flatness(samples: list[dict], name: str) -> dict:
-    """MiB of ``name``'s replicas (summed) at the first sample, the middle, the end and the largest, and
-    the growth over the second half of the soak (a per-request leak keeps growing there)."""
-    series = [sum(v for k, v in x["rss_mib"].items() if k.split("[")[0] == name) for x in samples]
-    mid = series[len(series) // 2]
-    return {"first": series[0], "middle": mid, "last": series[-1], "max": max(series),
-            "second_half_growth": round(series[-1] - mid, 1)}
+def slope_per_min(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of ``(seconds, MiB)`` points in MiB per minute (None with under two distinct times)."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mean_t, mean_y = sum(t for t, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    return 60.0 * sum((t - mean_t) * (y - mean_y) for t, y in points) / var
+
+
+def flatness(samples: list[dict], group: str) -> dict:
+    """MiB of ``group`` (summed over its processes) at the first and last sample, the largest, and the
+    least-squares slope over all samples and over the second half (a per-request leak keeps growing
+    there, after allocators have warmed up)."""
+    points = [(x["t"], x["mib"].get(group, 0.0)) for x in samples]
+    series = [y for _, y in points]
+    half = points[len(points) // 2:]
+    rounded = [None if v is None else round(v, 2) for v in (slope_per_min(points), slope_per_min(half))]
+    return {"start": series[0], "end": series[-1], "max": max(series), "slope_mib_per_min": rounded[0],
+            "second_half_slope_mib_per_min": rounded[1]}
 
 
 def separate_process(args: argparse.Namespace) -> dict:
@@ -121,17 +142,52 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
 
 
-def replica_rss() -> dict[str, float]:
-    """MiB of resident memory per Serve replica process of this machine, keyed ``deployment[pid]``
-    (the title's ``.method`` suffix, set while a replica serves a call, is dropped)."""
+RAY_PROGRAMS = {"gcs_server": "gcs", "raylet": "raylet", "log_monitor.py": "log_monitor",
+                "monitor.py": "autoscaler_monitor", "dashboard.py": "dashboard"}
+"""Ray's own programs by the file name their command line runs."""
+
+
+def process_group(cmdline: list[str], is_self: bool = False) -> str:
+    """The memory group of a process of this Ray session from its command line: ``benchmark`` (this
+    process), a Serve deployment by name (``Verifier``, ``Drafter_math``, ``Ingress``: a replica's
+    ``ray::ServeReplica:APP:NAME`` title, any ``.method`` suffix dropped, also while it starts), ``serve_controller``,
+    ``proxy``, ``idle_workers``, another actor's or worker's class (``ray::NAME``), or a Ray program
+    (:data:`RAY_PROGRAMS`: GCS, raylet, ...); else ``other:PROGRAM``."""
+    if is_self:
+        return "benchmark"
+    title = " ".join(cmdline).strip()
+    if title.startswith("ray::"):
+        name = title.split()[0][len("ray::"):]
+        if "ServeReplica:" in name:  # a starting replica's title is SERVE_REPLICA::APP#NAME#ID:ServeReplica:APP:NAME
+            return name.split("ServeReplica:", 1)[1].split(":", 1)[-1].split(".")[0]
+        if name.startswith("ServeController"):
+            return "serve_controller"
+        if name.startswith("ProxyActor"):
+            return "proxy"
+        if name.startswith("IDLE"):
+            return "idle_workers"
+        return name.split(".")[0] or "other"
+    for arg in cmdline[:3]:
+        program = Path(arg).name
+        if program in RAY_PROGRAMS:
+            return RAY_PROGRAMS[program]
+    return f"other:{Path(cmdline[0]).name}" if cmdline and cmdline[0] else "other"
+
+
+def session_rss() -> dict[str, float]:
+    """MiB of resident memory per :func:`process_group` of this process and its descendants (with an
+    in-process Ray cluster: every process of this Ray session, and no other cluster's)."""
     import psutil
 
-    sizes = {}
-    for proc in psutil.process_iter(["cmdline", "memory_info"]):
-        title = " ".join(proc.info["cmdline"] or [])
-        if title.startswith("ray::ServeReplica:") and proc.info["memory_info"] is not None:
-            name = title.split()[0].split(":", 2)[-1].split(".")[0]
-            sizes[f"{name}[{proc.pid}]"] = round(proc.info["memory_info"].rss / 2**20, 1)
+    me = psutil.Process()
+    sizes: dict[str, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            group = process_group(proc.cmdline(), proc.pid == me.pid)
+            rss = proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        sizes[group] = round(sizes.get(group, 0.0) + rss / 2**20, 1)
     return sizes
 
 
@@ -155,35 +211,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=6, help=f"single-stream prompts (at most {len(PROMPTS)})")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="single-stream rounds, each HTTP then in-process beside the running app")
+                        help="single-stream rounds, each HTTP then in-process beside the running app (0: none)")
     parser.add_argument("--soak", type=float, default=0.0, help="seconds of concurrent load (0: none)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--soak-strategy", default=None, help="strategy of the soak (default: --strategy)")
     parser.add_argument("--kill-drafter-after", type=float, default=None, metavar="S")
+    parser.add_argument("--hangup-fraction", type=float, default=0.0,
+                        help="share of soak requests that hang up after the first content chunk")
+    parser.add_argument("--hangup-seed", type=int, default=0)
+    parser.add_argument("--sample-every", type=float, default=5.0, metavar="S", help="memory sampling period")
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--local-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not 1 <= args.prompts <= len(PROMPTS) or min(args.max_tokens, args.concurrency, args.rounds) < 1 \
-            or args.soak < 0:
-        parser.error(f"--prompts must be in 1..{len(PROMPTS)}; --max-tokens, --concurrency, --rounds > 0; --soak >= 0")
+    if not 1 <= args.prompts <= len(PROMPTS) or min(args.max_tokens, args.concurrency) < 1 or args.rounds < 0 \
+            or args.soak < 0 or not 0 <= args.hangup_fraction <= 1 or args.sample_every <= 0:
+        parser.error(f"--prompts must be in 1..{len(PROMPTS)}; --max-tokens, --concurrency, --sample-every > 0; "
+                     "--rounds, --soak >= 0; --hangup-fraction in [0, 1]")
 
     from taps_ray.config import load_config
     from taps_ray.serving.app import run as serve_app
 
     cfg = load_config(args.config, args.overrides)
     prompts = PROMPTS[:args.prompts]
-    local = InProcess(cfg, args.strategy)
+    local = InProcess(cfg, args.strategy) if args.rounds or args.local_only else None
     if args.local_only:
         print(json.dumps({k: v for k, v in local.run(prompts, args.max_tokens).items() if k != "texts"}))
         return 0
-    quiet = local.run(prompts, args.max_tokens)
-    print(f"in-process {args.strategy}, before Ray starts: {quiet['tokens']} tokens in {quiet['seconds']:.1f}s = "
-          f"{quiet['tokens_per_s']:.2f} tok/s, tau {quiet['tau']:.2f}", flush=True)
+    quiet = local.run(prompts, args.max_tokens) if local else None
+    if quiet:
+        print(f"in-process {args.strategy}, before Ray starts: {quiet['tokens']} tokens in {quiet['seconds']:.1f}s = "
+              f"{quiet['tokens_per_s']:.2f} tok/s, tau {quiet['tau']:.2f}", flush=True)
 
     url = serve_app(cfg, blocking=False)
     load = argparse.Namespace(url=url, model=None, strategy=args.strategy, max_tokens=args.max_tokens,
                               temperature=0.0, seed=None, timeout=600.0, verbose=False, verify=None)
     http_single_stream(load, 1)
+    result = {"config": args.config, "overrides": args.overrides, "strategy": args.strategy,
+              "max_tokens": args.max_tokens, "prompts": len(prompts),
+              "serve_limits": {"max_concurrent_requests": cfg.serve.max_concurrent_requests,
+                               "max_queued_requests": cfg.serve.max_queued_requests,
+                               "retry_after_s": cfg.serve.retry_after_s,
+                               "request_timeout_s": cfg.serve.request_timeout_s}}
+    if args.rounds:
+        result.update(single_stream(args, local, quiet, load, prompts))
+    if args.soak:
+        result["soak"] = soak(args, cfg, load)
+        print(json.dumps({k: v for k, v in result["soak"].items() if k not in ("rss_samples", "records")},
+                         indent=1, default=str), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.out}", file=sys.stderr)
+    checked = result["soak"]["verify"] if args.soak else {}
+    return 0 if not args.soak or (result["soak"]["errors"] == 0 and not checked["mismatched"]
+                                  and not checked["partial_not_prefix"]) else 1
+
+
+def single_stream(args: argparse.Namespace, local: InProcess, quiet: dict, load: argparse.Namespace,
+                  prompts: list[str]) -> dict:
+    """``--rounds`` rounds: the prompts over HTTP one at a time, then in-process beside the app and in a
+    separate process; medians and ratios."""
     rounds = []
     for i in range(args.rounds):
         http = http_single_stream(load, len(prompts))
@@ -203,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rounds[-1]['identical_texts']}/{len(prompts)} texts identical", flush=True)
     http_tps = median([r["http"]["tokens_per_s"] for r in rounds])
     result = {
-        "config": args.config, "overrides": args.overrides, "strategy": args.strategy, "max_tokens": args.max_tokens,
-        "prompts": len(prompts), "in_process_before_ray": {k: v for k, v in quiet.items() if k != "texts"},
+        "in_process_before_ray": {k: v for k, v in quiet.items() if k != "texts"},
         "rounds": rounds, "http_tokens_per_s_median": http_tps,
         "http_over_in_process_beside_app_median": median([r["http_over_in_process_beside_app"] for r in rounds]),
         "http_over_in_process_before_ray": http_tps / quiet["tokens_per_s"],
@@ -216,35 +302,39 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * result['http_over_in_process_before_ray']:.0f}% of in-process before Ray started "
           f"({quiet['tokens_per_s']:.2f} tok/s; a separate process beside the idle app: "
           f"{result['separate_process_beside_app_median']:.2f})", flush=True)
+    return result
 
-    if args.soak:
-        samples, stop, killed = [], threading.Event(), []
 
-        def sample() -> None:
-            while not stop.is_set():
-                samples.append({"t": time.time(), "rss_mib": replica_rss()})
-                stop.wait(5.0)
+def soak(args: argparse.Namespace, cfg, load: argparse.Namespace) -> dict:
+    """``--concurrency`` clients for ``--soak`` seconds (hang-ups, 429 retries, a drafter killed), session
+    memory sampled throughout; then what is left behind, one more memory sample, and the completed
+    outputs against in-process greedy (after the sampling: the reference target loads in this process)."""
+    samples, stop, killed = [], threading.Event(), []
+    began = time.time()
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        if args.kill_drafter_after is not None:
-            threading.Thread(target=kill_one_drafter, args=(args.kill_drafter_after, killed), daemon=True).start()
-        soak = run_load(argparse.Namespace(**{**vars(load), "concurrency": args.concurrency, "requests": None,
-                                              "duration": args.soak, "verify": args.config,
-                                              "strategy": args.soak_strategy or args.strategy}))
-        stop.set()
-        sampler.join()
-        names = sorted({n.split("[")[0] for x in samples for n in x["rss_mib"]})
-        memory = {name: flatness(samples, name) for name in names}
-        result["soak"] = {**soak["summary"], "memory_mib": memory, "killed": killed,
-                          "left_behind": left_behind(cfg), "rss_samples": samples}
-        print(json.dumps({k: v for k, v in result["soak"].items() if k != "rss_samples"}, indent=1, default=str),
-              flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if not args.soak or result["soak"]["errors"] == 0 else 1
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append({"t": round(time.time() - began, 1), "mib": session_rss()})
+            stop.wait(args.sample_every)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if args.kill_drafter_after is not None:
+        threading.Thread(target=kill_one_drafter, args=(args.kill_drafter_after, killed), daemon=True).start()
+    out = run_load(argparse.Namespace(**{**vars(load), "concurrency": args.concurrency, "requests": None,
+                                         "duration": args.soak, "strategy": args.soak_strategy or args.strategy,
+                                         "hangup_fraction": args.hangup_fraction, "hangup_seed": args.hangup_seed}))
+    stop.set()
+    sampler.join()
+    behind = left_behind(cfg)
+    after = {"t": round(time.time() - began, 1), "mib": session_rss()}
+    groups = sorted({g for x in samples for g in x["mib"]})
+    records = [Record(**r) for r in out["records"]]
+    checked = verify(args.config, [r for r in records if r.outcome == "completed"], args.max_tokens,
+                     [r for r in records if r.outcome == "hung_up"], args.overrides)
+    return {**out["summary"], "verify": checked, "killed": killed, "left_behind": behind,
+            "memory_mib": {g: {**flatness(samples, g), "after_load": after["mib"].get(g, 0.0)} for g in groups},
+            "rss_samples": [*samples, {**after, "after_load": True}], "records": out["records"]}
 
 
 if __name__ == "__main__":
