@@ -7,8 +7,8 @@
 C client threads send streaming chat completions (the official ``openai`` client, greedy by
 default) round-robin over a fixed prompt set until N requests are done or ``--duration`` seconds
 have passed. Each request ends in one outcome (:data:`OUTCOMES`): ``completed``; ``hung_up`` (by
-design: a ``--hangup-fraction`` share of the requests, drawn by a ``--hangup-seed`` RNG in request
-order, closes its stream after the first content chunk); ``rejected_429`` (still refused when the
+design: a ``--hangup-fraction`` share of the requests closes its stream after the first content chunk;
+:func:`hangup_plan` picks them with a ``--hangup-seed`` RNG, the share exact in every block of 10); ``rejected_429`` (still refused when the
 run ended: a 429 is retried after its ``Retry-After``, each refusal counted in ``refused_429``) or
 ``error`` (anything else; ``errors`` counts only these). Reports throughput of completed requests
 (requests/s, output tokens/s), their latency (the answered attempt, and from the first attempt with
@@ -21,11 +21,13 @@ hung-up ones whose partial text is not a prefix of it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,6 +86,17 @@ def retry_after_s(err: BaseException, default: float = 1.0) -> float:
         return max(0.0, float(value)) if value is not None else default
     except ValueError:
         return default
+
+
+def hangup_plan(fraction: float, seed: int = 0, block: int = 10) -> Iterator[bool]:
+    """Whether request 0, 1, 2, ... hangs up: in each ``block`` of requests a seeded RNG picks which
+    ones, as many as keep the running count at ``round(fraction * requests so far)`` at every block end
+    (so the share is exact over any whole number of blocks, and never off by more than a block's worth)."""
+    rng = random.Random(seed)
+    for b in itertools.count():
+        picks = round((b + 1) * block * fraction) - round(b * block * fraction)
+        chosen = set(rng.sample(range(block), picks))
+        yield from (i in chosen for i in range(block))
 
 
 def percentiles(values: list[float]) -> dict:
@@ -158,8 +171,8 @@ def run(args) -> dict:
     records: list[Record] = []
     lock = threading.Lock()
     counter = iter(range(10 ** 9))
-    hangups = random.Random(getattr(args, "hangup_seed", 0))
     fraction = getattr(args, "hangup_fraction", 0.0)
+    hangups = hangup_plan(fraction, getattr(args, "hangup_seed", 0))
     start = time.perf_counter()
     deadline = start + args.duration if args.duration else None
     limit = args.requests if args.requests is not None else (None if args.duration else 64)
@@ -168,7 +181,7 @@ def run(args) -> dict:
         while True:
             with lock:
                 index = next(counter)
-                hang_up = hangups.random() < fraction
+                hang_up = next(hangups)
             if (limit is not None and index >= limit) or (deadline is not None and time.perf_counter() > deadline):
                 return
             record = one_request(client, model, index, index % len(PROMPTS), args, hang_up, deadline)

@@ -4,12 +4,13 @@ outcomes, Retry-After, the memory groups of a Ray session's processes and the fl
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import openai
 import pytest
 
 from benchmarks.bench_serving import flatness, process_group, slope_per_min
-from benchmarks.load_test import outcome_of, retry_after_s
+from benchmarks.load_test import hangup_plan, outcome_of, retry_after_s
 
 try:  # the HTTP library of the installed openai client (httpx2 in recent releases)
     http = importlib.import_module("httpx2")
@@ -86,3 +87,13 @@ def test_flatness_of_a_group_warming_up_then_flat():
     assert verifier["slope_mib_per_min"] > 0 and verifier["second_half_slope_mib_per_min"] == 0.0
     drafter = flatness(samples, "Drafter_math")
     assert drafter["start"] == 500.0 and drafter["end"] == 500.0 and drafter["max"] == 500.0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.25, 1 / 3, 1.0])
+def test_hangup_plan_keeps_the_share_and_follows_its_seed(fraction):
+    plan = list(itertools.islice(hangup_plan(fraction, seed=0), 200))
+    for n in range(10, 201, 10):
+        assert sum(plan[:n]) == round(fraction * n)
+    assert list(itertools.islice(hangup_plan(fraction, seed=0), 200)) == plan
+    if 0 < fraction < 1:
+        assert list(itertools.islice(hangup_plan(fraction, seed=1), 200)) != plan
