@@ -20,11 +20,11 @@ from taps_ray.data.benchmarks import BENCHMARKS
 from taps_ray.data.contamination import ContaminationError, read_trained_prompts
 from taps_ray.models.drafter import WEIGHTS_NAME
 from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
+from taps_ray.spec.decoder import RANDOM_DRAFTER, random_drafter_seed
 from taps_ray.spec.strategy import parse_strategy
 
 log = logging.getLogger(__name__)
 
-RANDOM_PREFIX = "random:"
 DEFAULT_DRAFTERS = {"fresh0": "random:0", "fresh1": "random:1"}
 
 
@@ -88,11 +88,12 @@ def drafters_of(strategy: str, compose: list[str]) -> list[str]:
 
 
 def _drafter_identity(name: str, source: str) -> dict:
-    if source.startswith(RANDOM_PREFIX):
-        try:
-            return {"random_seed": int(source[len(RANDOM_PREFIX):])}
-        except ValueError:
-            raise EvalError(f"drafter {name!r}: {source!r} must be random:SEED with an integer seed") from None
+    try:
+        seed = random_drafter_seed(source)
+    except ValueError:
+        raise EvalError(f"drafter {name!r}: {source!r} must be random:SEED with an integer seed") from None
+    if seed is not None:
+        return {"random_seed": seed}
     path = Path(source)
     if not (path / WEIGHTS_NAME).is_file():
         raise EvalError(f"drafter {name!r}: {str(path)!r} is not a drafter checkpoint folder (no {WEIGHTS_NAME}); "
@@ -106,7 +107,7 @@ def trained_prompts_of(drafters: dict[str, str]) -> dict[str, set[str]]:
     on; EvalError naming the drafter when its ``trained_prompts.json`` is malformed."""
     seen = {}
     for name, source in drafters.items():
-        if source.startswith(RANDOM_PREFIX):
+        if source.startswith(RANDOM_DRAFTER):
             continue
         try:
             seen[name] = read_trained_prompts(source)
@@ -157,7 +158,7 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
         log.warning("eval.drafters is empty: using two fresh untrained drafters %s", DEFAULT_DRAFTERS)
         drafters = dict(DEFAULT_DRAFTERS)
     try:
-        drafters = {n: s if s.startswith(RANDOM_PREFIX) else str(resolve_drafter_dir(s)) for n, s in drafters.items()}
+        drafters = {n: s if s.startswith(RANDOM_DRAFTER) else str(resolve_drafter_dir(s)) for n, s in drafters.items()}
     except ReleaseDrafterError as err:
         raise EvalError(str(err)) from None
     compose = list(ev.compose) if ev.compose else list(drafters)

@@ -19,12 +19,12 @@ import torch
 
 from taps_ray.config import SamplingConfig, TargetConfig, TreeConfig
 from taps_ray.data.benchmarks import BenchmarkQuestion
-from taps_ray.eval.plan import RANDOM_PREFIX, EvalError, EvalPlan
+from taps_ray.eval.plan import EvalError, EvalPlan
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
 from taps_ray.spec.compose import build_strategy
-from taps_ray.spec.decoder import GenerationResult, generate, load_drafter, prompt_ids
+from taps_ray.spec.decoder import GenerationResult, generate, load_drafter_source, prompt_ids
 
 
 def conversation_ids(target: TargetModel, turns: list[str], answers: list[GenerationResult]) -> torch.Tensor:
@@ -126,12 +126,8 @@ class EvalWorker:
             torch.set_num_threads(plan.threads)
         self.plan = plan
         self.target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
-        self.drafters: dict[str, DraftHead] = {}
-        for name, source in plan.drafters.items():
-            seed = int(source[len(RANDOM_PREFIX):]) if source.startswith(RANDOM_PREFIX) else 0
-            head = load_drafter(self.target, None if source.startswith(RANDOM_PREFIX) else source, seed)
-            head.metadata.setdefault("name", name)
-            self.drafters[name] = head
+        self.drafters: dict[str, DraftHead] = {
+            name: load_drafter_source(self.target, name, source) for name, source in plan.drafters.items()}
         tree = TreeConfig(**plan.tree)
         self.strategies = {
             name: build_strategy(name, {n: self.drafters[n] for n in plan.drafters_of(name)}, tree,

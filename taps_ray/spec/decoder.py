@@ -33,6 +33,8 @@ from taps_ray.spec.verify import (
     verify_sampling,
 )
 
+RANDOM_DRAFTER = "random:"
+
 
 @dataclass
 class GenerationResult:
@@ -81,6 +83,23 @@ def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 
     if directory is None:
         return DraftHead(target.config, seed=seed).to(target.device, target.dtype).eval()
     return DraftHead.load(directory, target.config, target.fingerprint, target.device, target.dtype)
+
+
+def random_drafter_seed(source: str) -> int | None:
+    """The seed of a ``random:SEED`` drafter source (a fresh, untrained drafter), or None for any other
+    source (a checkpoint folder); ValueError when SEED is not an integer."""
+    if not source.startswith(RANDOM_DRAFTER):
+        return None
+    return int(source[len(RANDOM_DRAFTER):])
+
+
+def load_drafter_source(target: TargetModel, name: str, source: str) -> DraftHead:
+    """The drafter of ``source`` (a checkpoint folder, or ``random:SEED``) for ``target``, named ``name``
+    in its metadata unless it has a name."""
+    seed = random_drafter_seed(source)
+    head = load_drafter(target, source if seed is None else None, seed or 0)
+    head.metadata.setdefault("name", name)
+    return head
 
 
 def check_sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:

@@ -68,15 +68,15 @@ def check_interpolation_drafters(spec: InterpolationSweepSpec, target) -> dict[s
     share one target (and shapes), or do not fit the experiment's target."""
     from taps_ray.models.drafter import WEIGHTS_NAME, read_drafter_meta
     from taps_ray.models.target import TargetFingerprint
-    from taps_ray.sweeps.interpolation import RANDOM_PREFIX
+    from taps_ray.spec.decoder import random_drafter_seed
 
     sources, metas = {}, {}
     for name, source in spec.drafters.items():
-        if source.startswith(RANDOM_PREFIX):
-            try:
-                int(source[len(RANDOM_PREFIX):])
-            except ValueError:
-                raise SweepError(f"drafters.{name}: {source!r} must be random:SEED with an integer seed") from None
+        try:
+            seed = random_drafter_seed(source)
+        except ValueError:
+            raise SweepError(f"drafters.{name}: {source!r} must be random:SEED with an integer seed") from None
+        if seed is not None:
             sources[name] = source
             continue
         path = Path(source).resolve()

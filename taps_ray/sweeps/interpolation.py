@@ -19,11 +19,10 @@ from taps_ray.data.contamination import write_averaged
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.release import resolve_drafter_dir
 from taps_ray.spec.compose import check_drafters
-from taps_ray.spec.decoder import load_drafter
+from taps_ray.spec.decoder import load_drafter_source
 from taps_ray.sweeps.config import InterpolationSweepSpec
 from taps_ray.sweeps.trial import TrialContext, cached_target, domain_taus, tau_metrics
 
-RANDOM_PREFIX = "random:"
 _DRAFTERS: dict[tuple, DraftHead] = {}
 
 
@@ -40,10 +39,7 @@ def load_source(target, name: str, source: str) -> DraftHead:
     """The drafter of ``source`` (a checkpoint folder, or ``random:SEED``), cached per process."""
     key = (target.name, name, source)
     if key not in _DRAFTERS:
-        seed = int(source[len(RANDOM_PREFIX):]) if source.startswith(RANDOM_PREFIX) else 0
-        head = load_drafter(target, None if source.startswith(RANDOM_PREFIX) else source, seed)
-        head.metadata.setdefault("name", name)
-        _DRAFTERS[key] = head
+        _DRAFTERS[key] = load_drafter_source(target, name, source)
     return _DRAFTERS[key]
 
 
