@@ -24,7 +24,8 @@ per-position accepted tokens count drafts whose accepted path reached that posit
 (:func:`taps_ray.spec.stats.acceptance_length`) of the same steps before trimming when every step
 drafted. Inter-token latency is one observation per verification step (as vLLM observes one per
 engine step): each step of a request counts that request's mean step time, decode time after the
-first token over its steps, so the series' sum and count are exact.
+first token over its steps, so the page's sum and count are exact (in Ray's export the counts are exact,
+its histogram sums approximate).
 """
 
 from __future__ import annotations
