@@ -2,7 +2,7 @@
 
 prepare (target features, cached) -> train (every variant concurrently; finished drafters are
 kept) -> eval (the config's ``eval`` section: benchmarks x strategies over the trained drafters;
-finished records are kept) -> the shipped release drafters (``release:math``, ``release:chat``)
+finished records are kept) -> the shipped release drafters (``release:math``, ``release:chat``, ``release:mixed``)
 under :data:`RELEASE_STRATEGIES` on the same questions, when the package has them ->
 interpolation sweep (``tune/interpolation.yaml`` over the ``math`` and ``chat`` drafters; a
 finished sweep is kept) -> report (``<run_dir>/eval/report.md`` with the sweep's plot and the
@@ -62,14 +62,17 @@ def demo_config(path: str | Path, overrides: list[str], full: bool) -> Experimen
 
 
 def release_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
-    """The demo's evaluation over the shipped release drafters (``release:math``, ``release:chat``) with
-    :data:`RELEASE_STRATEGIES`, into ``<run_dir>/eval-release``; None when they are not shipped."""
+    """The demo's evaluation over the shipped release drafters (``release:math``, ``release:chat``, and
+    ``release:mixed`` alone when shipped) with :data:`RELEASE_STRATEGIES`, into ``<run_dir>/eval-release``;
+    None when the two specialists are not shipped."""
     from taps_ray.models.release import release_names
 
-    if not {"math", "chat"} <= set(release_names()):
+    shipped = set(release_names())
+    if not {"math", "chat"} <= shipped:
         return None
+    drafters = {role: f"release:{role}" for role in ("math", "chat", "mixed") if role in shipped}
     evaluation = cfg.eval.model_copy(update={
-        "drafters": {"math": "release:math", "chat": "release:chat"}, "compose": ["math", "chat"],
+        "drafters": drafters, "compose": ["math", "chat"],
         "strategies": RELEASE_STRATEGIES, "out": str(cfg.run_dir / "eval-release"), "temperatures": [0.0]})
     return cfg.model_copy(update={"eval": evaluation})
 
@@ -144,7 +147,8 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     tables, data = build_tables(read_records(out / RECORDS))
     shipped = build_tables(read_records(release_report.parent / RECORDS)) if release_report is not None else None
     if shipped is not None:
-        report.write_text(report.read_text() + "\n## Release drafters (release:math, release:chat; shipped with the "
+        names = ", ".join(release.eval.drafters.values())
+        report.write_text(report.read_text() + f"\n## Release drafters ({names}; shipped with the "
                           f"package)\n\nFrom [{release_report.parent.name}/report.md]({release_report}).\n\n"
                           + release_sections(*shipped) + "\n")
     times.stages["report"] = time.perf_counter() - started

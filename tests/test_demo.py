@@ -49,5 +49,9 @@ def test_release_drafters_are_evaluated_beside_the_demo_ones(monkeypatch):
     assert shipped.eval.drafters == {"math": "release:math", "chat": "release:chat"}
     assert shipped.eval.strategies == demo.RELEASE_STRATEGIES and shipped.eval.out.endswith("eval-release")
     assert shipped.eval.benchmarks == cfg.eval.benchmarks and shipped.eval.limit == cfg.eval.limit
-    monkeypatch.setattr(release, "release_names", lambda: ["math"])
+    monkeypatch.setattr(release, "release_names", lambda: ["chat", "math", "mixed"])
+    shipped = demo.release_config(cfg)
+    assert shipped.eval.drafters == {"math": "release:math", "chat": "release:chat", "mixed": "release:mixed"}
+    assert shipped.eval.compose == ["math", "chat"]
+    monkeypatch.setattr(release, "release_names", lambda: ["math", "mixed"])
     assert demo.release_config(cfg) is None
