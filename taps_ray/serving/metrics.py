@@ -16,7 +16,7 @@ as vLLM's own Ray stat logger writes them (``:`` becomes ``_``, which Ray requir
 ``ray_vllm_spec_decode_num_drafts_total``, what Ray Serve LLM's dashboard reads).
 
 Meaning, counted from each finished request's ``taps`` block (see
-:func:`taps_ray.serving.verifier.summarize`), as vLLM counts: a draft is one verified tree (one
+:func:`taps_ray.serving.session.summarize`), as vLLM counts: a draft is one verified tree (one
 drafted step), its draft tokens are the tree's nodes besides the root, accepted tokens are draft
 tokens the target accepted before any trimming (at ``max_tokens``, EOS or a stop sequence), and
 per-position accepted tokens count drafts whose accepted path reached that position (0-based). So

@@ -26,7 +26,7 @@ class LocalReply:
 
 
 class LocalClient:
-    """A :class:`~taps_ray.serving.verifier.DrafterClient` over in-process :class:`DraftSessions`.
+    """A :class:`~taps_ray.serving.drafting.DrafterClient` over in-process :class:`DraftSessions`.
 
     ``replicas`` > 1 spreads calls round-robin over independent session stores (a request's state
     then has to be rebuilt on each switch). ``fail`` (a set of call indices) makes those calls raise,

@@ -320,10 +320,10 @@ def test_api_keys_are_not_dumped_and_resolve_with_the_env():
 # -- context window before prefill ----------------------------------------------------------------
 
 def test_a_prompt_longer_than_the_context_is_refused_before_prefill(monkeypatch):
-    import taps_ray.serving.verifier as verifier_module
+    import taps_ray.serving.session as session_module
 
     target = bigram_target(0)
-    monkeypatch.setattr(verifier_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
+    monkeypatch.setattr(session_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
     verifier = object.__new__(Verifier)
     verifier.target, verifier.clients, verifier.cfg = target, {}, ServeConfig(drafters={"a": None})
     verifier._init_counts()
@@ -534,9 +534,9 @@ def _vanilla(n: int = 8, max_tokens: int = 4, **fields) -> DecodeRequest:
 
 @pytest.fixture
 def no_prefill(monkeypatch):
-    import taps_ray.serving.verifier as verifier_module
+    import taps_ray.serving.session as session_module
 
-    monkeypatch.setattr(verifier_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
+    monkeypatch.setattr(session_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
 
 
 def test_a_request_cancelled_before_it_starts_never_prefills(no_prefill):
@@ -574,7 +574,7 @@ def test_an_internal_error_in_the_verifier_is_logged_not_sent(monkeypatch, caplo
 def test_closing_the_stream_stops_decoding_within_a_step_before_generate_returns(monkeypatch):
     """A hung-up client's stream is closed: the decode loop stops at its next step, and ``generate``
     returns only after it stopped, so the slot it frees is free (``active`` 0 as soon as it returns)."""
-    from taps_ray.serving.verifier import RemoteStrategy
+    from taps_ray.serving.drafting import RemoteStrategy
 
     target = bigram_target(0)
     target.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))

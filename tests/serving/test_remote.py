@@ -12,16 +12,11 @@ import torch
 
 from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
+from taps_ray.serving.drafting import RemoteStrategy, StopGeneration, plan_support
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.verifier import (
-    RemoteStrategy,
-    StopGeneration,
-    TextStream,
-    Verifier,
-    plan_support,
-    summarize,
-)
+from taps_ray.serving.session import TextStream, summarize
+from taps_ray.serving.verifier import Verifier
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
