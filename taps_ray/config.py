@@ -325,6 +325,26 @@ class DrafterServeConfig(Strict):
     delay_s: float = Field(default=0.0, ge=0, description="drills and tests: sleep before each draft call")
 
 
+class CaptureConfig(Strict):
+    """``serve.capture``: finished requests kept as training rows in the feature-cache format (off by
+    default). It stores prompts and outputs: turn it on only where that is allowed."""
+
+    enabled: bool = Field(default=False, description=(
+        "write each finished request (prompt and output) as a row; stores user data, off by default"))
+    dir: str | None = Field(default=None, description=(
+        "the capture folder, one feature set (None: $TAPS_CACHE/capture/<app_name>)"))
+    sample_rate: float = Field(default=1.0, ge=0.0, le=1.0, description=(
+        "share of finished requests kept (each drawn independently)"))
+    features: bool = Field(default=True, description=(
+        "keep the target features the decode loop computed (false: token ids only, features recomputed later)"))
+    max_rows: int | None = Field(default=100_000, ge=1, description=(
+        "rows kept at most; the oldest shards are removed beyond it (None: no row limit)"))
+    max_bytes: int | None = Field(default=2**30, ge=1, description=(
+        "bytes of shards kept at most; the oldest shards are removed beyond it (None: no size limit)"))
+    rows_per_shard: int = Field(default=64, ge=1, description=(
+        "rows buffered per replica before a shard is written (also written when the replica shuts down)"))
+
+
 def default_serve_drafters() -> dict[str, DrafterServeConfig]:
     """The shipped release drafters (``math``, ``chat``: ``release:NAME``) when the package has them, else one
     untrained ``default`` drafter."""
@@ -395,6 +415,8 @@ class ServeConfig(Strict):
     max_draft_deadline_s: float | None = Field(default=None, ge=0, description=(
         "the largest taps.draft_deadline_s a request may ask for, 400 beyond (None: draft_deadline_s, so "
         "clients may only shorten it)"))
+    capture: CaptureConfig = Field(default_factory=CaptureConfig, description=(
+        "keep finished requests as training rows (stores prompts and outputs; off by default)"))
 
     @field_validator("api_keys")
     @classmethod

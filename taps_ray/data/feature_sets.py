@@ -6,7 +6,9 @@ row per conversation: ``row_id`` int64, ``input_ids`` list<int32> [T], ``loss_ma
 folder is complete only when ``_SUCCESS.json`` exists; it is written last, after an atomic
 rename, so an interrupted ``prepare`` is never read as complete. ``prompts.json`` beside the shards
 holds the hash of each row's first user turn (:mod:`taps_ray.data.contamination`). A set is opened
-only for the target it was computed for. :mod:`taps_ray.data.features` writes them.
+only for the target it was computed for. :mod:`taps_ray.data.features` writes them; a serving
+capture (:mod:`taps_ray.serving.capture`) writes the same format with label columns readers leave
+out, and one that keeps token ids only (manifest ``"features": false``) is not opened.
 """
 
 from __future__ import annotations
@@ -111,6 +113,9 @@ def open_feature_set(path: Path, fingerprint: dict, name: str) -> FeatureSet:
     if not manifest_path.exists():
         raise FeatureCacheError(f"features for {name!r} at {path} are missing or incomplete; run `taps prepare`")
     manifest = json.loads(manifest_path.read_text())
+    if manifest.get("features") is False:
+        raise FeatureCacheError(f"features for {name!r} at {path} keep token ids only (a serving capture with "
+                                f"serve.capture.features false); compute them with taps_ray.serving.capture.fill_features")
     for key in ("hidden_size", "vocab_size", "embed_hash"):
         if manifest["target"].get(key) != fingerprint.get(key):
             raise FeatureCacheError(

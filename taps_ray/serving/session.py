@@ -5,11 +5,13 @@ A :class:`DecodeSession` turns the tokens the loop commits into ``delta`` events
 send: :class:`TextStream` holds back a possible stop sequence and an incomplete character; with the
 logprobs of the tokens that text consumed, :mod:`taps_ray.serving.logprobs`), stops the loop at a stop
 sequence, and ends with the ``done`` event (finish reason, usage, the ``taps`` block of
-:func:`summarize`).
+:func:`summarize`). With a capture writer (:mod:`taps_ray.serving.capture`), the finished request is
+then handed to it with the features the loop computed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -19,6 +21,7 @@ import torch
 
 from taps_ray.config import SamplingConfig
 from taps_ray.models.target import TargetModel
+from taps_ray.serving.capture import CaptureWriter, request_prompt_hash, step_labels
 from taps_ray.serving.drafting import RemoteStrategy, StepInfo, StopGeneration
 from taps_ray.serving.logprobs import LogprobStream, TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
@@ -26,6 +29,7 @@ from taps_ray.spec import stats
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.stats import StepRecord
 
+log = logging.getLogger(__name__)
 
 class TextStream:
     """Incremental detokenization with stop sequences.
@@ -131,11 +135,11 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
 class DecodeSession:
     """The events of one request (``emit`` receives them): ``delta`` texts while the loop runs, then
     ``done``. Build it, hand :meth:`on_tokens` to the :class:`RemoteStrategy` as its ``on_tokens``,
-    then :meth:`run` the loop."""
+    then :meth:`run` the loop. ``capture``: where the finished request goes (None: nowhere)."""
 
     def __init__(self, target: TargetModel, request: DecodeRequest, emit: Callable[[dict], None],
-                 pieces: TokenPieces | None):
-        self.target, self.request, self.emit = target, request, emit
+                 pieces: TokenPieces | None, capture: CaptureWriter | None = None):
+        self.target, self.request, self.emit, self.capture = target, request, emit, capture
         self.text = TextStream(target.tokenizer, request.stop)
         self.logprobs = LogprobStream(pieces, request.logprobs) if request.logprobs is not None else None
         self.given = 0
@@ -159,19 +163,38 @@ class DecodeSession:
         """Decode ``ids`` with ``strategy`` and send ``done``; the reason (``cancelled`` / ``timeout``)
         when the loop was stopped before its end (then nothing is sent). Frees the drafting sessions."""
         start = time.perf_counter()
+        sink = [] if self.capture is not None and self.capture.cfg.features else None
         try:
             self.result = generate(self.target, torch.tensor(ids), strategy, sampling, max_tokens,
                                    logprobs=self.request.logprobs,
-                                   on_logprobs=self.logprobs.add if self.logprobs is not None else None)
+                                   on_logprobs=self.logprobs.add if self.logprobs is not None else None,
+                                   feature_sink=sink)
         except StopGeneration as stop:
             if stop.reason != "stop":
                 return stop.reason
         finally:
             strategy.close()
-        self._done(len(ids), strategy, time.perf_counter() - start)
+        finish, taps = self._done(len(ids), strategy, time.perf_counter() - start)
+        if self.capture is not None:
+            self._capture(ids, sink, strategy, finish, taps)
         return None
 
-    def _done(self, prompt_tokens: int, strategy: RemoteStrategy, total_s: float) -> None:
+    def _capture(self, ids: list[int], sink: list[torch.Tensor] | None, strategy: RemoteStrategy, finish: str,
+                 taps: dict) -> None:
+        """Hand the finished request to the capture writer (a failure is logged, never sent)."""
+        records = self.result.steps if self.result is not None else None
+        labels = {"drafters": taps["drafters"], "steps": step_labels(strategy.steps, records),
+                  "route_decisions": taps["route_decisions"], "tau": taps["tau"]}
+        try:
+            features = torch.cat(sink) if sink else None
+            self.capture.add(ids, self.text.ids[:self.text.used], features,
+                             request_prompt_hash(self.request.prompt, self.target.tokenizer), taps["strategy"],
+                             finish, labels)
+        except Exception:
+            log.exception("request %s: capturing it failed", self.request.rid)
+
+    def _done(self, prompt_tokens: int, strategy: RemoteStrategy, total_s: float) -> tuple[str, dict]:
+        """Send ``done``; its finish reason and ``taps`` block."""
         text, result = self.text, self.result
         if result is not None:
             delta = text.push(result.token_ids[text.used:])
@@ -187,3 +210,4 @@ class DecodeSession:
             "type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                       "total_tokens": prompt_tokens + completion}, "taps": taps}))
+        return finish, taps

@@ -21,6 +21,7 @@ import torch
 
 from taps_ray.config import SamplingConfig, ServeConfig, TargetConfig, TreeConfig
 from taps_ray.models.target import TargetModel
+from taps_ray.serving.capture import CaptureWriter, capture_dir
 from taps_ray.serving.drafter import rss_bytes
 from taps_ray.serving.drafting import DrafterClient, HandleClient, RemoteStrategy, needs_support, plan_support
 from taps_ray.serving.logprobs import TokenPieces
@@ -62,7 +63,12 @@ class Verifier:
     loops run per replica (a pool of that many threads), and :meth:`generate` returns only once its
     loop has ended, so a new request never decodes beside a cancelled one that is still winding down:
     it waits in the pool (``waiting``) and starts when the old loop has stopped.
+
+    With ``serve.capture.enabled``, finished requests are kept as training rows by a
+    :class:`~taps_ray.serving.capture.CaptureWriter` (its buffer is written when the replica shuts down).
     """
+
+    capture: CaptureWriter | None = None
 
     def __init__(self, target: dict, tree: dict, serve: dict, drafters: dict):
         self.cfg = ServeConfig(**serve)
@@ -72,7 +78,19 @@ class Verifier:
         self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
         self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
         self.pieces = TokenPieces(self.target.tokenizer) if self.target.tokenizer is not None else None
+        if self.cfg.capture.enabled:
+            folder = capture_dir(self.cfg.capture, self.cfg.app_name)
+            self.capture = CaptureWriter(self.cfg.capture, folder, self.target.fingerprint.to_dict())
+            log.warning("serve.capture: keeping prompts and outputs of %.0f%% of finished requests in %s",
+                        100 * self.cfg.capture.sample_rate, folder)
         self._init_counts()
+
+    def __del__(self):
+        if self.capture is not None:
+            try:
+                self.capture.flush()
+            except Exception:
+                log.exception("serve.capture: writing the last buffered rows failed")
 
     def _init_counts(self) -> None:
         self.active = 0
@@ -170,7 +188,9 @@ class Verifier:
         if stopped := gone():
             return stopped
         emit({"type": "start", "prompt_tokens": len(ids), "max_tokens": max_tokens})
-        session = DecodeSession(self.target, request, emit, self.pieces if request.logprobs is not None else None)
+        capture = self.capture if self.capture is not None and self.capture.sampled() else None
+        session = DecodeSession(self.target, request, emit, self.pieces if request.logprobs is not None else None,
+                                capture)
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
                                   session.on_tokens, cancel, expires, self.cfg.route_probe_steps,

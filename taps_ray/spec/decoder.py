@@ -158,6 +158,7 @@ class _Request:
     timer: Callable[[], float]
     top: int | None = None
     on_logprobs: Callable[[TokenLogprobs], None] | None = None
+    feature_sink: list[torch.Tensor] | None = None
     prompt_len: int = 0
     length: int = 0
     tokens: torch.Tensor | None = None
@@ -199,6 +200,7 @@ def generate(
     timer: Callable[[], float] = time.perf_counter,
     logprobs: int | None = None,
     on_logprobs: Callable[[TokenLogprobs], None] | None = None,
+    feature_sink: list[torch.Tensor] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
 
@@ -215,12 +217,18 @@ def generate(
     extra forward pass); ``on_logprobs`` receives them as they are committed, the first token's
     before ``strategy.start`` and each step's before ``strategy.advance``.
 
+    ``feature_sink`` (None: off) receives the target features the loop computed anyway, on the
+    device, as they are committed: the prompt's [P, H] after prefill, then each step's [k, H] before
+    ``strategy.advance`` (so it is complete even when the strategy stops the loop). Concatenated,
+    row i is the target's last hidden state at position i of prompt + committed tokens, for every
+    position but the last (whose feature no forward pass has computed yet).
+
     The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
     :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
     :func:`_result`.
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
-    request.top, request.on_logprobs = check_top(logprobs), on_logprobs
+    request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
     start = timer()
     finish = _prefill(request, ids)
     prefill_s = timer() - start
@@ -254,6 +262,8 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     prompt_len = request.prompt_len = ids.numel()
     request.cache = target.new_cache()
     out = target.prefill(ids[None], request.cache)
+    if request.feature_sink is not None:
+        request.feature_sink.append(out.hidden[0])
     tokens = request.tokens = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=target.device)
     tokens[:prompt_len] = ids
     tokens[prompt_len:prompt_len + 1] = request.choose(out.logits[0, -1:])
@@ -339,6 +349,8 @@ def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: 
     keep = min(new.numel(), request.max_new_tokens - (request.length - request.prompt_len), first_eos + 1)
     request.tokens[request.length:request.length + keep] = new[:keep]
     request.length += keep
+    if request.feature_sink is not None:
+        request.feature_sink.append(features[:keep])
     if rows is not None:
         request.record_logprobs(rows[:keep], new[:keep])
     request.steps.append(StepRecord(appended=keep, draft_s=t1 - t0, verify_s=request.timer() - t1, **record))
