@@ -48,7 +48,7 @@ class TargetConfig(Strict):
 
 
 SourceKind = Literal["sharegpt", "gsm8k_train", "math_train", "gsm8k_test_split", "jsonl", "hf", "mathinstruct",
-                     "reasoning_gym"]
+                     "reasoning_gym", "features"]
 
 
 class SourceSpec(Strict):
@@ -59,7 +59,8 @@ class SourceSpec(Strict):
         "path); gsm8k_test_split (prompt-only: the ~75% training pool of GSM8K test by question hash, the rest "
         "is never trained on); jsonl (a local JSON/JSONL of conversations or question/answer rows); hf (HF "
         "dataset name, subset, split); mathinstruct (HF TIGER-Lab/MathInstruct); reasoning_gym (offline "
-        "generated math prompts from tasks)"))
+        "generated math prompts from tasks); features (path: a complete feature-set folder, such as a serving "
+        "capture, trained on as it is; the dataset's only alternative)"))
     path: str | None = Field(default=None, description=(
         "local JSON/JSONL file (needed by jsonl; optional for sharegpt, gsm8k_train, math_train)"))
     name: str | None = Field(default=None, description="HF dataset id (needed by hf; mathinstruct's by default)")
@@ -75,8 +76,8 @@ class SourceSpec(Strict):
 
     @model_validator(mode="after")
     def _needs(self) -> SourceSpec:
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("kind 'jsonl' needs 'path'")
+        if self.kind in ("jsonl", "features") and not self.path:
+            raise ValueError(f"kind {self.kind!r} needs 'path'")
         if self.kind == "hf" and not self.name:
             raise ValueError("kind 'hf' needs 'name' (an HF dataset id)")
         if self.kind == "gsm8k_test_split" and (self.path or self.name):
@@ -93,6 +94,17 @@ class DatasetConfig(Strict):
     domain: str = Field(description="the task domain the dataset stands for (math, chat, ...)")
     alternatives: list[SourceSpec] = Field(min_length=1, description=(
         "sources tried in order; the first available one is used (the log says which)"))
+
+    @model_validator(mode="after")
+    def _features_alone(self) -> DatasetConfig:
+        if len(self.alternatives) > 1 and any(a.kind == "features" for a in self.alternatives):
+            raise ValueError("a 'features' source is a feature set itself: make it the dataset's only alternative")
+        return self
+
+    @property
+    def feature_folder(self) -> str | None:
+        """The folder of a ``features`` dataset (a feature set read as it is), else None."""
+        return self.alternatives[0].path if self.alternatives[0].kind == "features" else None
 
 
 class RegenerationConfig(Strict):

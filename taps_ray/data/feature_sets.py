@@ -8,7 +8,8 @@ rename, so an interrupted ``prepare`` is never read as complete. ``prompts.json`
 holds the hash of each row's first user turn (:mod:`taps_ray.data.contamination`). A set is opened
 only for the target it was computed for. :mod:`taps_ray.data.features` writes them; a serving
 capture (:mod:`taps_ray.serving.capture`) writes the same format with label columns readers leave
-out, and one that keeps token ids only (manifest ``"features": false``) is not opened.
+out, and one that keeps token ids only (manifest ``"features": false``) is not opened. A dataset
+whose source is ``{kind: features, path: DIR}`` is the feature set at DIR, read as it is (no key).
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def feature_set_path(cfg: ExperimentConfig, name: str, fingerprint: dict) -> Pat
     if name not in cfg.data.datasets:
         raise ValueError(f"unknown dataset {name!r}; datasets in config: {sorted(cfg.data.datasets)}")
     ds = cfg.data.datasets[name]
+    if ds.feature_folder is not None:
+        return Path(ds.feature_folder).expanduser()
     key = feature_key(fingerprint, ds, cfg.data.features.max_len, cfg.data.features.regeneration)
     return features_root() / f"{name}-{key}"
 

@@ -243,6 +243,9 @@ def _load_normalised(spec: SourceSpec) -> tuple[Normalised, str]:
         return _load_hf(spec.name or MATHINSTRUCT_HF_ID, spec.subset, spec.split, spec.regenerate)
     if spec.kind == "reasoning_gym":
         return _load_reasoning_gym(spec)
+    if spec.kind == "features":
+        raise SourceError(f"{spec.path}: not a complete feature set (no _SUCCESS.json); a 'features' source is read "
+                          "as it is, never prepared")
     raise SourceError(f"unknown source kind {spec.kind!r}")
 
 
