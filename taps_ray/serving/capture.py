@@ -82,7 +82,8 @@ def step_labels(steps: list, records: list | None) -> list[dict]:
 
 class CaptureWriter:
     """Buffers finished requests of one replica and writes them to ``folder`` (see module docs).
-    Thread-safe: the decode pool's threads call :meth:`add`."""
+    Thread-safe: the decode pool's threads call :meth:`add`. ValueError when ``folder`` holds a feature
+    set that is not a capture of this target."""
 
     def __init__(self, cfg: CaptureConfig, folder: Path, fingerprint: dict, seed: int | None = None):
         self.cfg, self.folder, self.fingerprint = cfg, Path(folder), dict(fingerprint)
@@ -91,6 +92,8 @@ class CaptureWriter:
         self.rows: list[dict] = []
         self.skipped = 0
         self._lock = threading.Lock()
+        if (self.folder / MANIFEST).exists():
+            self._manifest()
 
     def sampled(self) -> bool:
         """Whether the next request is kept (probability ``sample_rate``)."""

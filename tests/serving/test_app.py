@@ -8,6 +8,7 @@ import json
 import threading
 import time
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 import requests
@@ -16,6 +17,7 @@ from openai import OpenAI
 from ray import serve
 
 from taps_ray.config import TreeConfig, load_config
+from taps_ray.data.feature_sets import MANIFEST, open_feature_set
 from taps_ray.serving.app import drafter_deployment_name
 from taps_ray.spec.decoder import generate, load_drafter
 from taps_ray.spec.protocol import SingleStrategy
@@ -47,13 +49,20 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def served(ray_session, one_thread, embedded_target):
+def capture_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("capture")
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, one_thread, embedded_target, capture_dir):
     """The application on a free port, and (computed while it starts) the in-process reference per
-    prompt: greedy decoding with the same fresh drafter (seed 0) as drafter ``a``."""
+    prompt: greedy decoding with the same fresh drafter (seed 0) as drafter ``a``. Capture is on (one
+    shard per request, into ``capture_dir``)."""
     cfg = load_config(None, [
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
         "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
         "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
+        f"serve.capture={json.dumps({'enabled': True, 'dir': str(capture_dir), 'rows_per_shard': 1})}",
     ])
     def reference() -> dict:
         drafter = load_drafter(embedded_target, None, 0)
@@ -94,6 +103,30 @@ def test_models_and_health(server, client):
     assert [m.id for m in models.data] == [MODEL]
     assert set(models.data[0].model_extra["taps"]["drafters"]) == {"a", "b"}
     assert requests.get(f"{server}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_served_requests_are_captured_as_a_feature_set(client, reference, capture_dir, embedded_target):
+    """serve.capture through Serve: the finished request is a row of the capture folder's feature set, its
+    features those the target computes teacher-forced, its routing outcome a label."""
+    prompt = PROMPTS[5]
+    response = _chat(client, prompt, extra_body={"taps": {"strategy": "routed:entropy"}})
+    ids = embedded_target.encode_chat([{"role": "user", "content": prompt}])[0].tolist()
+    expected = ids + reference[prompt].token_ids[:response.usage.completion_tokens - 1]
+    for _ in range(100):  # the row is written right after the response is sent
+        if (capture_dir / MANIFEST).exists():
+            fs = open_feature_set(capture_dir, embedded_target.fingerprint.to_dict(), "captured")
+            table = pq.read_table(fs.shard_paths())
+            if expected in table.column("input_ids").to_pylist():
+                break
+        time.sleep(0.1)
+    index = table.column("input_ids").to_pylist().index(expected)
+    row = fs.read_rows([table.column("row_id")[index].as_py()])[0]
+    with torch.inference_mode():
+        teacher = embedded_target.hidden_states(row["input_ids"][None])[0].to(torch.bfloat16)
+    torch.testing.assert_close(row["hidden"].float(), teacher.float(), rtol=2 ** -7, atol=1e-4)
+    labels = json.loads(table.column("labels")[index].as_py())
+    assert table.column("strategy")[index].as_py() == "routed:entropy:request"
+    assert [s["route"] for s in labels["steps"]] == response.model_extra["taps"]["route_per_step"]
 
 
 @pytest.mark.parametrize("strategy", ["single", "merged:union", "routed:confidence", "routed:entropy", "vanilla"])

@@ -269,3 +269,13 @@ def test_a_features_source_names_a_folder_and_stands_alone(tmp_path):
     cfg = ExperimentConfig.model_validate({"data": {"datasets": {"c": {
         "domain": "chat", "alternatives": [{"kind": "features", "path": str(tmp_path / "cap")}]}}}})
     assert feature_set_path(cfg, "c", {}) == tmp_path / "cap"
+
+
+def test_a_folder_of_another_target_is_refused_at_start(target, drafters, tmp_path):
+    capture = CaptureConfig(enabled=True, dir=str(tmp_path / "cap"))
+    verifier = make_verifier(target, drafters, capture)
+    decode(verifier, PROMPTS[0])
+    verifier.capture.flush()
+    other = bigram_target(1, hidden_size=32)
+    with pytest.raises(ValueError, match="another target"):
+        CaptureWriter(capture, tmp_path / "cap", other.fingerprint.to_dict())
