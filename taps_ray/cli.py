@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative",
               drafting.add_bench, drafting.run_bench),
     "train": ("train drafter variants concurrently with Ray Train", study.add_train, study.run_train),
+    "adapt": ("fine-tune a drafter on captured serving traffic mixed with its original data (a new version)",
+              study.add_adapt, study.run_adapt),
     "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)",
               drafting.add_serve, drafting.run_serve),
     "config-help": ("every config key with its type, default and description (docs/CONFIG.md)",
@@ -75,7 +77,7 @@ def _run_folder(args: argparse.Namespace) -> Path | None:
             from taps_ray.demo import demo_config
 
             return demo_config(args.config, args.overrides, args.full).run_dir
-        if args.command in ("prepare", "train", "eval"):
+        if args.command in ("prepare", "train", "adapt", "eval"):
             return load_experiment(args).run_dir
         if args.command == "sweep":
             from taps_ray.sweeps.config import load_spec

@@ -275,6 +275,9 @@ class TrainConfig(Strict):
     max_failures: int = Field(default=1, ge=-1, description="restarts from the last checkpoint (-1: unlimited)")
     stage2: Stage2Config | None = Field(default=None, description=(
         "HASS variants only: the two-stage recipe, stage2.epochs more after epochs (None: one stage)"))
+    init_from: str | None = Field(default=None, description=(
+        "drafter folder or release:NAME training starts from: its weights and draft vocabulary (None: a fresh "
+        "drafter of drafter.seed); taps adapt sets it to the drafter it fine-tunes"))
 
 
 def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], base: dict[str, Any]) -> BaseModel:
@@ -506,6 +509,17 @@ class EvalConfig(Strict):
         return self
 
 
+class AdaptConfig(Strict):
+    """``taps adapt``: fine-tune a drafter on captured serving traffic mixed with its original datasets."""
+
+    traffic_share: float = Field(default=0.5, ge=0.0, le=1.0, description=(
+        "share of the training rows taken from the traffic (the rest split evenly over the drafter's original "
+        "datasets, against forgetting); --traffic-share overrides it. tune/adapt.yaml sweeps the same share as a mixture "
+        "sweep's ratio of datasets [traffic, ORIGINAL] with train.init_from"))
+    rows: int | None = Field(default=None, ge=1, description=(
+        "training rows in all (None: as many as the traffic and original pools allow at traffic_share)"))
+
+
 class ExperimentConfig(Strict):
     """One experiment (``configs/*.yaml``): every ``taps`` command reads its sections from it."""
 
@@ -523,6 +537,8 @@ class ExperimentConfig(Strict):
     train: TrainConfig = Field(default_factory=TrainConfig, description="taps train: settings of every variant")
     variants: list[VariantConfig] = Field(default_factory=list, description="the drafters taps train trains")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="taps serve: deployments and limits")
+    adapt: AdaptConfig = Field(default_factory=AdaptConfig, description=(
+        "taps adapt: traffic share and rows of a drafter's fine-tuning on captured traffic"))
     extra: Annotated[dict[str, Any], Field(default_factory=dict, description=(
         "free-form notes (not read by any command)"))]
 

@@ -1,5 +1,5 @@
 """``taps`` subcommands of the study, which read an experiment config and write its run folder: demo,
-prepare, train, eval, report and sweep, and config-help, the config's reference."""
+prepare, train, adapt, eval, report and sweep, and config-help, the config's reference."""
 
 from __future__ import annotations
 
@@ -62,6 +62,33 @@ def run_train(args: argparse.Namespace) -> int:
     summary = run_training(cfg, names, mode="resume" if args.resume else "force" if args.force else "new")
     print(json.dumps(summary.to_dict(), indent=1, default=float) if args.json else summary_table(summary))
     return 1 if summary.failed else 0
+
+
+def add_adapt(parser: argparse.ArgumentParser) -> None:
+    config_args(parser)
+    parser.add_argument("--traffic", required=True, metavar="DIR",
+                        help="a serving capture folder (serve.capture.dir) of this config's target")
+    parser.add_argument("--drafter", required=True, metavar="SRC",
+                        help="drafter folder or release:NAME to fine-tune (with --new: the baseline of the tau)")
+    parser.add_argument("--traffic-share", type=float, default=None, metavar="SHARE",
+                        help="share of training rows from the traffic, in [0, 1] (default: adapt.traffic_share)")
+    parser.add_argument("--new", action="store_true", help="train a new specialist on the traffic only")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="also copy the new version there (default: <run folder>/drafters/adapt-vN only)")
+    parser.add_argument("--json", action="store_true", help="print the version's adapt record as JSON")
+
+
+def run_adapt(args: argparse.Namespace) -> int:
+    from taps_ray.train.adapt import run_adapt as adapt
+
+    result = adapt(load_experiment(args), args.traffic, args.drafter, args.traffic_share, args.new, args.out)
+    if args.json:
+        print(json.dumps({"out": str(result.out), "version": result.version, **result.record}, indent=1))
+    else:
+        print(f"version {result.version} -> {result.out} ({result.record['traffic_rows']} traffic rows)")
+        for name, tau in result.record["tau"].items():
+            print(f"  tau {name}: {tau['before']:.3f} -> {tau['after']:.3f}")
+    return 0
 
 
 def add_eval(parser: argparse.ArgumentParser) -> None:

@@ -46,6 +46,7 @@ from taps_ray.train.variant import (
     build_trainer,
     copy_final,
     heldout_tables,
+    init_vocabularies,
     plan_variants,
 )
 
@@ -215,7 +216,8 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
         sets = load_feature_sets(cfg, fingerprint, required)
     except FeatureCacheError as err:
         raise TrainLaunchError(str(err)) from None
-    plans = plan_variants(cfg, variants, sets, target.vocab_size, target.eos_token_ids)
+    init_vocab = init_vocabularies(cfg, variants, target.config, target.fingerprint)
+    plans = plan_variants(cfg, variants, sets, target.vocab_size, target.eos_token_ids, init_vocab)
     todo = {v.name for v in _prepare_outputs(cfg, run_dir, variants, mode)}
     plans = [p for p in plans if p.variant.name in todo]
     if not plans:

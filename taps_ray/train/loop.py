@@ -2,7 +2,8 @@
 
 ``config`` (built by :func:`taps_ray.train.variant.build_trainer`): ``variant``, ``objective`` and ``train``
 (:class:`ObjectiveConfig` / :class:`TrainConfig` dumps), ``target_config`` (the target's HF config),
-``fingerprint`` (dict), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
+``fingerprint`` (dict), ``init_from`` (a drafter folder or ``release:NAME`` a fresh run starts from, or
+None), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
 the target's frozen tensors), ``draft_to_target`` (list of target ids or None), ``drafter_seed``,
 ``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names),
 ``heldout`` (an ObjectRef of, or a dict of pyarrow Tables of held-out feature rows per dataset),
@@ -343,7 +344,7 @@ def train_loop_per_worker(config: dict) -> dict:
 
 def _setup(config: dict) -> _Worker:
     """The worker's :class:`_Worker`: the drafter from the last checkpoint (with its optimizer and
-    progress) or freshly initialised, wrapped by Ray Train; the data shard and held-out rows."""
+    progress), else from ``init_from`` (its weights and vocabulary) or freshly initialised, wrapped by Ray Train; the data shard and held-out rows."""
     import ray.train  # the worker's Ray Train context: only inside a Ray Train worker
     import ray.train.torch
 
@@ -367,6 +368,8 @@ def _setup(config: dict) -> _Worker:
             module = DraftHead.load(Path(directory) / DRAFTER_DIR, config["target_config"], fingerprint)
             saved = torch.load(Path(directory) / STATE_NAME, map_location="cpu", weights_only=True)
         state = TrainState(**saved["state"])
+    elif config.get("init_from"):
+        module = DraftHead.load(config["init_from"], config["target_config"], fingerprint)
     else:
         d2t = config.get("draft_to_target")
         module = DraftHead(config["target_config"], draft_to_target=None if d2t is None else torch.tensor(d2t),

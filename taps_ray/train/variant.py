@@ -63,9 +63,31 @@ def _row_tokens(fs: FeatureSet, row_ids: np.ndarray) -> int:
     return int(pc.sum(table.filter(keep)["length"]).as_py() or 0)
 
 
+def init_vocabularies(cfg: ExperimentConfig, variants: list[VariantConfig], target_config,
+                      fingerprint) -> dict[str, list[int] | None]:
+    """``train.init_from`` -> the draft vocabulary of that drafter (None: the full vocabulary), for the
+    variants that start from one; loading each here checks it early (a folder, ``release:NAME``, this
+    target's)."""
+    from taps_ray.models.drafter import DrafterLoadError, DraftHead
+
+    found: dict[str, list[int] | None] = {}
+    for variant in variants:
+        source = cfg.variant_train(variant).init_from
+        if source is None or source in found:
+            continue
+        try:
+            head = DraftHead.load(source, target_config, fingerprint)
+        except DrafterLoadError as err:
+            raise TrainLaunchError(f"variant {variant.name!r}: train.init_from: {err}") from None
+        found[source] = None if head.draft_to_target is None else head.draft_to_target.tolist()
+    return found
+
+
 def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: dict[str, FeatureSet],
-                  vocab_size: int, eos_ids: frozenset[int]) -> list[VariantPlan]:
-    """Held-out splits, mixture selections and draft vocabularies of ``variants``."""
+                  vocab_size: int, eos_ids: frozenset[int],
+                  init_vocab: dict[str, list[int] | None] | None = None) -> list[VariantPlan]:
+    """Held-out splits, mixture selections and draft vocabularies of ``variants`` (a variant with
+    ``train.init_from`` keeps that drafter's vocabulary, ``init_vocab[init_from]``)."""
     plans = []
     for variant in variants:
         train = cfg.variant_train(variant)
@@ -79,7 +101,14 @@ def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: di
                            heldout={n: held for n, (held, _) in splits.items()}, rows=selection.total,
                            tokens=sum(_row_tokens(sets[n], ids) for n, ids in selection.rows.items()))
         size = cfg.drafter.draft_vocab_size
-        if size is not None:
+        if train.init_from is not None:
+            kept = (init_vocab or {})[train.init_from]
+            if kept is not None:
+                import torch
+
+                own = token_counts([(sets[n].shard_paths(), ids_) for n, ids_ in selection.rows.items()], vocab_size)
+                plan.draft_to_target, plan.vocab_coverage = kept, coverage(own, torch.tensor(kept))
+        elif size is not None:
             if train.vocab_source == "mixture":
                 counted = [(sets[n].shard_paths(), ids) for n, ids in selection.rows.items()]
             else:
@@ -180,6 +209,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "weights": weights,
         "draft_to_target": plan.draft_to_target,
         "drafter_seed": cfg.drafter.seed,
+        "init_from": train.init_from,
         "train_rows": plan.rows,
         "datasets": sorted(plan.selection.rows),
         "heldout": heldout,
@@ -198,6 +228,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
                 "size": len(plan.draft_to_target), "source": train.vocab_source,
                 "coverage": round(plan.vocab_coverage or 0.0, 5)},
             "experiment": cfg.name,
+            **({"init_from": train.init_from} if train.init_from else {}),
         },
     }
     datasets = {"train": feature_dataset(sets, plan.selection.rows, seed=train.seed)}

@@ -1,0 +1,108 @@
+"""``taps adapt`` end to end on a tiny random target: requests served with capture on become the traffic
+folder; the new version starts from the source drafter's weights and vocabulary, trains on traffic and
+the source's original datasets at the traffic share, and records tau before / after per domain in its
+``config.json`` and model card. Bad inputs are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from taps_ray import cli
+from taps_ray.config import CaptureConfig, ConfigError, load_config
+from taps_ray.models.drafter import DraftHead
+from taps_ray.train.adapt import TRAFFIC, AdaptError, run_adapt
+from tests.serving.test_capture import decode, make_verifier
+from tests.spec.spec_helpers import oracle_drafter
+from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment, write_features
+
+CAPTURED = 26  # 6 held out (train.heldout_rows), 20 in the traffic pool
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Config (math and chat features), target, a source drafter recording both datasets and a 48-token
+    vocabulary, and a traffic folder of requests served with capture on."""
+    tmp = tmp_path_factory.mktemp("adapt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAPS_CACHE", str(tmp / "cache"))
+        path, target = tiny_experiment(tmp, [{"name": "unused", "mixture": "math-only"}])
+        source = tmp / "source"
+        d2t = torch.tensor(sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:48].tolist()))
+        DraftHead(target.config, draft_to_target=d2t, seed=5).save(
+            source, target.fingerprint, extra={"algorithm": "eagle2", "data": {"math": {}, "chat": {}}})
+        capture = CaptureConfig(enabled=True, dir=str(tmp / "traffic"), rows_per_shard=8)
+        verifier = make_verifier(target, {"a": oracle_drafter(target)}, capture)
+        for i in range(CAPTURED):
+            decode(verifier, torch.randint(2, VOCAB, (6 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist())
+        verifier.capture.flush()
+        yield path, target, source, tmp / "traffic", tmp
+        verifier.pool.shutdown()
+
+
+def test_adapt_fine_tunes_the_source_at_the_traffic_share_and_writes_a_version(setup, ray_session, monkeypatch):
+    path, target, source, traffic, tmp = setup
+    monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
+    # a learning rate of 1e-9 keeps the weights where training started: they must be the source's
+    cfg = load_config(path, ["train.lr=1e-9", "train.epochs=1"])
+    result = run_adapt(cfg, traffic, str(source), share=0.5, out=tmp / "v1")
+    assert result.version == 1 and result.out == tmp / "v1"
+    folder = cfg.run_dir / "drafters" / "adapt-v1"
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["version"] == 1 and meta["parent"] == str(source) and meta["init_from"] == str(source)
+    record = meta["adapt"]
+    # pools: traffic 20, math 30, chat 30; share 0.5 -> all 20 traffic rows, 10 + 10 original rows
+    assert record["rows"] == {"chat": 10, "math": 10, TRAFFIC: 20} and record["traffic_rows"] == 20
+    assert record["traffic_rows_captured"] == CAPTURED and record["traffic_share"] == 0.5
+    assert meta["mixture"]["counts"] == record["rows"]
+    assert set(record["tau"]) == {TRAFFIC, "math", "chat"}
+    for tau in record["tau"].values():
+        assert tau["before"] >= 1.0 and tau["after"] == pytest.approx(tau["before"], abs=1e-3)
+    new, old = drafter_tensors(folder), drafter_tensors(source)
+    assert set(new) == set(old)
+    for name in old:
+        np.testing.assert_allclose(new[name], old[name], atol=1e-6, err_msg=name)
+    loaded = DraftHead.load(result.out, target.config, target.fingerprint)
+    src = DraftHead.load(source, target.config, target.fingerprint)
+    assert torch.equal(loaded.draft_to_target, src.draft_to_target)
+    card = (result.out / "README.md").read_text()
+    assert "adapt-v1 (version 1)" in card and "traffic rows used: 20 (share 0.5)" in card
+    assert "| traffic |" in card and "| math |" in card and "simulated tau" in card
+    assert json.loads((result.out / "config.json").read_text())["adapt"] == record
+
+    # the next version of the same run folder; --new: a fresh specialist on traffic only, through the CLI
+    assert cli.main(["adapt", str(path), "--traffic", str(traffic), "--drafter", str(folder), "--new",
+                     "train.epochs=1"]) == 0
+    second = json.loads((cfg.run_dir / "drafters" / "adapt-v2" / "config.json").read_text())
+    assert second["version"] == 2 and second["parent"] == str(folder) and "init_from" not in second
+    assert second["adapt"]["rows"] == {TRAFFIC: 20} and second["adapt"]["new"] is True
+    assert not np.allclose(drafter_tensors(cfg.run_dir / "drafters" / "adapt-v2")["fc.weight"], new["fc.weight"])
+
+
+def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
+    path, target, source, traffic, tmp = setup
+    monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
+    cfg = load_config(path)
+    with pytest.raises(AdaptError, match=r"traffic folder .*nowhere.* does not exist"):
+        run_adapt(cfg, tmp / "nowhere", str(source), target=target)
+    for share in (-0.1, 1.5):
+        with pytest.raises(AdaptError, match=rf"traffic share must be in \[0, 1\].*got {share}"):
+            run_adapt(cfg, traffic, str(source), share=share, target=target)
+    with pytest.raises(ConfigError, match="adapt.traffic_share"):
+        load_config(path, ["adapt.traffic_share=2"])
+    from tests.conftest import make_tiny_target
+
+    other = make_tiny_target(8, vocab_size=VOCAB, hidden_size=HIDDEN)
+    other_cfg = load_config(path, ["name=other"])
+    foreign = write_features(other_cfg, other, "math", 10, seed=3, token_range=(2, 70))
+    with pytest.raises(AdaptError, match="computed for target"):
+        run_adapt(cfg, foreign, str(source), target=target)
+    with pytest.raises(AdaptError, match="has 26 row.*needs more than 40"):
+        run_adapt(load_config(path, ["train.heldout_rows=40"]), traffic, str(source), target=target)
+    with pytest.raises(AdaptError, match="--drafter: .*does not exist"):
+        run_adapt(cfg, traffic, str(tmp / "no-drafter"), target=target)
+    assert cli.main(["adapt", str(path), "--traffic", str(tmp / "nowhere"), "--drafter", str(source)]) == 2
+    assert "taps adapt: error: traffic folder" in capsys.readouterr().err
