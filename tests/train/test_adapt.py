@@ -106,3 +106,20 @@ def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
         run_adapt(cfg, traffic, str(tmp / "no-drafter"), target=target)
     assert cli.main(["adapt", str(path), "--traffic", str(tmp / "nowhere"), "--drafter", str(source)]) == 2
     assert "taps adapt: error: traffic folder" in capsys.readouterr().err
+
+
+def test_the_adapt_sweep_spec_varies_the_traffic_share_of_a_fine_tuning(tmp_path):
+    """tune/adapt.yaml: each trial's mixture is ``ratio`` traffic to ``1 - ratio`` original rows, starting
+    from the spec's drafter (what ``taps adapt --traffic-share`` trains)."""
+    from taps_ray.config import ExperimentConfig
+    from taps_ray.sweeps.config import load_spec
+    from taps_ray.sweeps.mixture import trial_variant
+
+    spec = load_spec("tune/adapt.yaml")
+    assert spec.mixture.datasets[0] == TRAFFIC and spec.search["ratio"].probes()
+    cfg = ExperimentConfig.model_validate({"data": {"datasets": {
+        TRAFFIC: {"domain": TRAFFIC, "alternatives": [{"kind": "features", "path": str(tmp_path / "cap")}]},
+        "math": {"domain": "math", "alternatives": [{"kind": "jsonl", "path": "/missing/math.jsonl"}]}}}})
+    trial_cfg, variant = trial_variant(spec, cfg, {"ratio": 0.25})
+    assert trial_cfg.mixtures[variant.mixture].ratio == {TRAFFIC: 0.25, "math": 0.75}
+    assert trial_cfg.variant_train(variant).init_from == "release:math"
