@@ -136,6 +136,8 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
     from taps_ray.models.drafter import DrafterLoadError, DraftHead
     from taps_ray.train.launch import _load_target, run_training
 
+    if new and share is not None and share != 1.0:
+        raise AdaptError(f"--new trains on the traffic only; a traffic share of {share} does not apply (leave it out)")
     share = check_share(cfg.adapt.traffic_share if share is None else share)
     target = target or _load_target(cfg)
     fingerprint = target.fingerprint

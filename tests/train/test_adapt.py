@@ -91,6 +91,8 @@ def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
     for share in (-0.1, 1.5):
         with pytest.raises(AdaptError, match=rf"traffic share must be in \[0, 1\].*got {share}"):
             run_adapt(cfg, traffic, str(source), share=share, target=target)
+    with pytest.raises(AdaptError, match="--new trains on the traffic only; a traffic share of 0.5 does not apply"):
+        run_adapt(cfg, traffic, str(source), share=0.5, new=True, target=target)
     with pytest.raises(ConfigError, match="adapt.traffic_share"):
         load_config(path, ["adapt.traffic_share=2"])
     from tests.conftest import make_tiny_target
