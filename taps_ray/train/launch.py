@@ -173,7 +173,7 @@ def _resources(plans: list[VariantPlan]) -> tuple[bool, float, int]:
     return gpus, per_worker, threads
 
 
-def _load_target(cfg: ExperimentConfig):
+def load_training_target(cfg: ExperimentConfig):
     """The target's embedding and LM head on the CPU (all the driver and the workers use of it)."""
     from taps_ray.models.target import TargetLoadError
     from taps_ray.models.target_head import load_target_head
@@ -209,7 +209,7 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
 
     from taps_ray.ray_utils import init_ray
 
-    target = target or _load_target(cfg)
+    target = target or load_training_target(cfg)
     fingerprint = target.fingerprint.to_dict()
     required = {d for v in variants for d in cfg.mixtures[v.mixture].ratio or cfg.mixtures[v.mixture].counts or {}}
     try:
