@@ -156,7 +156,7 @@ def test_drafts_the_same_tree_as_the_full_target(tmp_path, monkeypatch):
 def test_callers_load_only_the_head(tmp_path, monkeypatch):
     """The Serve drafter replica and the training driver load the target through load_target_head."""
     from taps_ray.serving.drafter import Drafter
-    from taps_ray.train.launch import _load_target
+    from taps_ray.train.launch import load_training_target
 
     folder = save_target(tmp_path / "target", tied=True, max_shard_size="24KB")
     spy = Spy(monkeypatch)
@@ -168,7 +168,7 @@ def test_callers_load_only_the_head(tmp_path, monkeypatch):
     assert 1 < out["tree"].tokens.numel() <= 5
 
     spy.read.clear()
-    driver = _load_target(ExperimentConfig(target=TargetConfig(model=str(folder), device="cuda")))
+    driver = load_training_target(ExperimentConfig(target=TargetConfig(model=str(folder), device="cuda")))
     assert isinstance(driver, TargetHead) and driver.device.type == "cpu" and spy.read == [EMBED]
 
 
