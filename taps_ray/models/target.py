@@ -329,16 +329,17 @@ class TargetModel:
         cache: DynamicCache,
         attention_mask_4d: torch.Tensor | None = None,
     ) -> TargetOutput:
-        mask = None if attention_mask_4d is None else self.layer_masks(attention_mask_4d, positions)
-        out = self.model.base_model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state
+        hidden = self.forward_hidden(tokens, positions, cache, attention_mask_4d)
         return TargetOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
+
+    @torch.inference_mode()
+    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                       attention_mask_4d: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` without the LM head: the last hidden states [B, n, H]."""
+        mask = None if attention_mask_4d is None else self.layer_masks(attention_mask_4d, positions)
+        out = self.model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                                    use_cache=True)
+        return out.last_hidden_state
 
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> TargetOutput:
         """Run ``input_ids`` [B, T] causally after ``cache`` (new cache when None)."""

@@ -1,0 +1,191 @@
+"""Batched verification (taps_ray/spec/batch.py): one forward over many requests' steps changes nothing.
+
+``forward_batch`` is checked against one ``TargetModel.forward`` per call (logits, hidden states and
+the extended caches), on a full-attention and a sliding-window target; ``generate_together`` against
+``generate`` alone (greedy token for token, fp32) with batches that really formed; and speculative
+sampling in batches against the target's exact law (chi-square with a power control, as in
+test_sampling.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+
+import pytest
+import torch
+
+from taps_ray.config import SamplingConfig, TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.spec.batch import BatchingTarget, ForwardBatcher, ForwardCall, forward_batch, generate_together
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import SingleStrategy
+from taps_ray.spec.tree import build_tree
+from taps_ray.spec.verify import tree_attention
+from tests.spec.spec_helpers import (
+    chi_square_p_value,
+    joint_law,
+    next_token_laws,
+    peaky_tiny_target,
+    random_prompt,
+)
+
+TREE = TreeConfig(depth=3, top_k=3, total_tokens=10, lookup_tokens=0)
+
+
+def _prefilled(target, length: int, seed: int):
+    ids = random_prompt(target, length, seed=seed)
+    cache = target.new_cache()
+    target.prefill(ids[None], cache)
+    return ids, cache
+
+
+def _calls(target, seed: int = 0) -> list[ForwardCall]:
+    """Three requests of prefix lengths 5, 9, 7: a 6-node tree, a plain step and a 3-node chain."""
+    calls = []
+    _, cache = _prefilled(target, 5, seed)
+    tree = build_tree([3, 4, 5, 6, 7, 8], [-1, 0, 0, 1, 1, 2], [0, -1, -2, -1.5, -2.5, -3], prefix_len=5)
+    mask, positions = tree_attention(tree, target.dtype)
+    calls.append(ForwardCall(tree.tokens, positions[0], cache, mask[0, 0]))
+    _, cache = _prefilled(target, 9, seed + 1)
+    calls.append(ForwardCall(torch.tensor([11]), torch.tensor([9]), cache))
+    _, cache = _prefilled(target, 7, seed + 2)
+    chain = build_tree([1, 2, 9], [-1, 0, 1], [0, -1, -2], prefix_len=7)
+    mask, positions = tree_attention(chain, target.dtype)
+    calls.append(ForwardCall(chain.tokens, positions[0], cache, mask[0, 0]))
+    return calls
+
+
+def _solo(target, call: ForwardCall):
+    mask = None if call.mask is None else call.mask[None, None]
+    return target.forward(call.tokens[None], call.positions[None], call.cache, mask)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_forward_batch_equals_one_forward_per_call(window):
+    target = peaky_tiny_target(3, vocab_size=64, hidden_size=32) if window is None else _sliding_target(window)
+    batched_calls, solo_calls = _calls(target), _calls(target)
+    outputs = forward_batch(target, batched_calls)
+    for call, solo_call, out in zip(batched_calls, solo_calls, outputs):
+        expected = _solo(target, solo_call)
+        assert out.logits.shape == expected.logits.shape and out.hidden.shape == expected.hidden.shape
+        torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.hidden, expected.hidden, rtol=1e-4, atol=1e-4)
+        assert call.cache.get_seq_length() == solo_call.cache.get_seq_length()
+        for mine, theirs in zip(call.cache.layers, solo_call.cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+def _sliding_target(window: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from taps_ray.models.target import TargetModel
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=window)
+    return TargetModel(MistralForCausalLM(config).eval(), tokenizer=None, name="tiny-mistral")
+
+
+def test_forward_batch_of_one_is_the_target_forward(peaky_target):
+    (call,), (solo,) = _calls(peaky_target)[:1], _calls(peaky_target)[:1]
+    out = forward_batch(peaky_target, [call])[0]
+    assert torch.equal(out.logits, _solo(peaky_target, solo).logits)
+
+
+def test_forward_batch_refuses_an_empty_cache(peaky_target):
+    calls = _calls(peaky_target)
+    calls[1] = ForwardCall(torch.tensor([1, 2]), torch.tensor([0, 1]), peaky_target.new_cache())
+    with pytest.raises(ValueError, match="empty cache"):
+        forward_batch(peaky_target, calls)
+
+
+def test_greedy_requests_decoded_together_equal_each_decoded_alone(peaky_target):
+    prompts = [random_prompt(peaky_target, n, seed=s) for s, n in enumerate([6, 11, 4, 9, 14, 7])]
+    strategies = [None, SingleStrategy(DraftHead(peaky_target.config, seed=1), TREE), None,
+                  SingleStrategy(DraftHead(peaky_target.config, seed=2), TREE),
+                  SingleStrategy(DraftHead(peaky_target.config, seed=1), TREE), None]
+    alone = [generate(peaky_target, p, copy.deepcopy(s), max_new_tokens=24, eos_token_ids=frozenset())
+             for p, s in zip(prompts, strategies)]
+    together, batcher = generate_together(peaky_target, prompts, strategies, max_batch=4, wait_s=0.05,
+                                          max_new_tokens=24, eos_token_ids=frozenset())
+    for mine, theirs in zip(together, alone):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.accept_lengths == theirs.accept_lengths
+    assert max(batcher.sizes) > 1, f"no batch formed: {dict(batcher.sizes)}"
+    assert max(batcher.sizes) <= 4
+    assert sum(size * count for size, count in batcher.sizes.items()) == sum(len(r.steps) for r in together)
+
+
+def test_a_failing_batch_fails_every_request_in_it(peaky_target):
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(peaky_target, name)
+
+        def forward_hidden(self, *args, **kwargs):
+            raise RuntimeError("device lost")
+
+    batcher = ForwardBatcher(Broken(), max_batch=2, wait_s=1.0)
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def run(seed):
+        call = _calls(peaky_target, seed)[0]
+        barrier.wait()
+        try:
+            batcher.forward(call.tokens[None], call.positions[None], call.cache, call.mask[None, None])
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (0, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == ["device lost", "device lost"]
+    assert batcher.sizes == collections.Counter({2: 1})
+
+
+def test_batcher_checks_its_arguments(peaky_target):
+    with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
+        ForwardBatcher(peaky_target, max_batch=0)
+    with pytest.raises(ValueError, match="wait_s must be >= 0"):
+        ForwardBatcher(peaky_target, wait_s=-1)
+    batched = BatchingTarget(peaky_target, ForwardBatcher(peaky_target))
+    assert batched.vocab_size == peaky_target.vocab_size
+    with pytest.raises(ValueError, match="one request"):
+        batched.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
+                        peaky_target.new_cache())
+
+
+V = 16
+
+
+@pytest.mark.slow
+def test_sampling_in_batches_follows_the_target_law():
+    """Requests sampled 8 at a time (a fresh drafter's trees, seeds 0..n-1): their first three tokens
+    follow the exact joint law, and not a nearby wrong one (temperature 0.8 instead of 1.0)."""
+    target = peaky_tiny_target(5, vocab_size=V, hidden_size=32, scale=1.2)
+    prefix = random_prompt(target, 6, seed=11)
+    tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0)
+    counts = torch.zeros(V ** 3, dtype=torch.float64)
+    sizes: collections.Counter = collections.Counter()
+    n, group = 1200, 8
+    for start in range(0, n, group):
+        results, batcher = generate_together(
+            target, [prefix] * group, [SingleStrategy(DraftHead(target.config, seed=4), tree) for _ in range(group)],
+            [SamplingConfig(temperature=1.0, seed=seed) for seed in range(start, start + group)], max_batch=group,
+            wait_s=0.05, max_new_tokens=3, eos_token_ids=frozenset(), collect_entropy=False)
+        for result in results:
+            t1, t2, t3 = result.token_ids
+            counts[(t1 * V + t2) * V + t3] += 1
+        sizes.update(batcher.sizes)
+    assert max(sizes) > 1
+    joint = joint_law(next_token_laws(target, prefix, 3, 1.0))
+    p_value = chi_square_p_value(counts, joint)
+    assert p_value > 1e-3, f"batched speculative samples do not follow the target law (p = {p_value:.2e})"
+    control = chi_square_p_value(counts, joint_law(next_token_laws(target, prefix, 3, 0.8)))
+    assert control < 1e-3, f"the test cannot tell a nearby wrong law apart (p = {control:.2e})"
