@@ -403,6 +403,13 @@ class ServeConfig(Strict):
         "request-granularity routing: re-probe every that many steps (0: decide once per request)"))
     max_concurrent_requests: int = Field(default=8, ge=1, description=(
         "requests decoding at once per verifier replica (the Verifier's Serve max_ongoing_requests)"))
+    batch_max_requests: int = Field(default=8, ge=1, description=(
+        "per verifier replica: steps of that many requests verified in one target forward (1: each alone)"))
+    batch_max_tokens: int = Field(default=64, ge=0, description=(
+        "per target forward: tree nodes its requests share; under load each tree is cut to its share, and a "
+        "share of 1 decodes plainly (0: no cut)"))
+    batch_wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
+        "how long a step waits for the other decoding requests' steps to join its forward"))
     max_queued_requests: int = Field(default=8, ge=1, description=(
         "requests waiting for a slot, per ingress replica (Serve's max_queued_requests); beyond it a 429"))
     retry_after_s: float = Field(default=1.0, gt=0, allow_inf_nan=False, description=(

@@ -89,8 +89,9 @@ class StopGeneration(Exception):
 @dataclass
 class StepInfo:
     """What the strategy saw in one step: the tree size verified (1: plain), who answered, who was
-    skipped and why, the route taken, the slowest answering drafter's compute seconds;
-    ``accepted`` and ``appended`` (the tokens handed over: accepted + bonus) are filled by ``advance``."""
+    skipped and why, the route taken, the slowest answering drafter's compute seconds, the nodes
+    cut from the tree to fit the load budget (``shed``) or whether the budget made the step plain
+    without drafting (``load_plain``); ``accepted`` and ``appended`` (the tokens handed over: accepted + bonus) are filled by ``advance``."""
 
     tree_size: int = 1
     answered: list[str] = field(default_factory=list)
@@ -99,6 +100,8 @@ class StepInfo:
     accepted: int | None = None
     appended: int | None = None
     compute_s: float = 0.0
+    shed: int = 0
+    load_plain: bool = False
 
 
 def needs_support(plan: Plan) -> bool:
@@ -148,15 +151,19 @@ class RemoteStrategy:
     or proposes the chain alone when no drafter answered (:mod:`taps_ray.spec.lookup`).
     ``support`` (:func:`plan_support`): the target ids every drafting session of this request drafts
     over (sent with the call that opens a session); a drafter that cannot draft over it, or answers a
-    tree over another support, is skipped (``vocabulary``).
+    tree over another support, is skipped (``vocabulary``). ``node_budget`` (None: no limit) gives, each
+    step, the most nodes the tree to verify may have: a larger one is cut to its best-scored nodes
+    (:meth:`DraftTree.top`), and a budget of 1 decodes the step plainly without asking any drafter
+    (the pairs they miss are sent with their next call).
     """
 
     def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
                  total_tokens: int, on_tokens: Callable[[list[int]], None] | None = None,
                  cancel: threading.Event | None = None, expires: float | None = None,
                  probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None,
-                 support: torch.Tensor | None = None):
+                 support: torch.Tensor | None = None, node_budget: Callable[[], int] | None = None):
         self.name = plan.name
+        self.node_budget = node_budget
         self.support = support
         self._recorded = support
         self.lookup = lookup or TreeConfig(lookup_tokens=0)
@@ -199,6 +206,10 @@ class RemoteStrategy:
         self.steps.append(info)
         if not self.names:
             return None
+        budget = None if self.node_budget is None else max(1, self.node_budget())
+        if budget == 1:
+            info.load_plain = True
+            return None
         step = len(self.steps) - 1
         probe = self.route is None or self.route.probing(step)
         drafting = list(self.names) if probe else [self.names[self.route.choice]]
@@ -213,7 +224,7 @@ class RemoteStrategy:
                 del got[name]
         self._drop_other_supports(got, info)
         if not got:
-            return graft_lookup(None, state.tokens, self.lookup)
+            return self._fit(graft_lookup(None, state.tokens, self.lookup), budget, info)
         tree, meta = compose_trees(self.plan.spec, [got.get(n) for n in self.names], self.names, self.total_tokens)
         if self.plan.kind == "routed":
             meta["probe"] = probe
@@ -222,7 +233,15 @@ class RemoteStrategy:
         info.route = meta.get("route")
         info.tree_size = tree.size
         tree.meta = {**tree.meta, **meta, "answered": list(got)}
-        return graft_lookup(tree.to(self.device), state.tokens, self.lookup)
+        return self._fit(graft_lookup(tree.to(self.device), state.tokens, self.lookup), budget, info)
+
+    @staticmethod
+    def _fit(tree: DraftTree | None, budget: int | None, info: StepInfo) -> DraftTree | None:
+        """``tree`` cut to its best ``budget`` nodes (None: no budget)."""
+        if tree is None or budget is None or tree.size <= budget:
+            return tree
+        info.shed, info.tree_size = tree.size - budget, budget
+        return tree.top(budget)
 
     def _drop_other_supports(self, got: dict[str, DraftTree], info: StepInfo) -> None:
         """Skip (``vocabulary``) the trees not drafted over this request's support, so composition never

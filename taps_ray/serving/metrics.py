@@ -88,6 +88,9 @@ SERIES = {s.name: s for s in (
            "Accepted draft tokens by position in the accepted path (0-based)", ("position",),
            vllm="vllm:spec_decode_num_accepted_tokens_per_pos"),
     Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree"),
+    Series("counter", "taps_spec_decode_shrunk_steps", "Steps whose draft tree was cut to its share of "
+           "serve.batch_max_tokens under load, or not drafted (a share of one node: a plain step)"),
+    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batch_max_tokens"),
     Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",)),
     Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason")),
     Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",)),
@@ -187,7 +190,8 @@ class ServingMetrics:
         "drafts": "taps_spec_decode_num_drafts", "draft_tokens": "taps_spec_decode_num_draft_tokens",
         "accepted_tokens": "taps_spec_decode_num_accepted_tokens",
         "accepted_per_pos": "taps_spec_decode_num_accepted_tokens_per_pos",
-        "plain_steps": "taps_spec_decode_num_plain_steps", "route_decisions": "taps_spec_decode_route_decisions",
+        "plain_steps": "taps_spec_decode_num_plain_steps", "shrunk_steps": "taps_spec_decode_shrunk_steps",
+        "shed_draft_tokens": "taps_spec_decode_shed_draft_tokens", "route_decisions": "taps_spec_decode_route_decisions",
         "drafter_skips": "taps_drafter_skipped_steps", "strategy_requests": "taps_strategy_requests",
         "tau": "taps_acceptance_length", "e2e": "taps_e2e_request_latency_seconds",
         "ttft": "taps_time_to_first_token_seconds", "tpot": "taps_time_per_output_token_seconds",
@@ -213,6 +217,8 @@ class ServingMetrics:
         self.draft_tokens.labels(m).inc(taps["draft_tokens"])
         self.accepted_tokens.labels(m).inc(taps["accepted_tokens"])
         self.plain_steps.labels(m).inc(taps["plain_steps"])
+        self.shrunk_steps.labels(m).inc(taps.get("shrunk_steps", 0))
+        self.shed_draft_tokens.labels(m).inc(taps.get("shed_draft_tokens", 0))
         reached = [sum(a > p for a in taps["accept_lengths"]) for p in range(max(taps["accept_lengths"], default=0))]
         for position, count in enumerate(reached):
             self.accepted_per_pos.labels(m, str(position)).inc(count)

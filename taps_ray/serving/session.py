@@ -118,6 +118,8 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
         "accepted_tokens": sum(accepted),
         "drafted_steps": sum(s.tree_size > 1 for s in steps),
         "plain_steps": sum(s.tree_size <= 1 for s in steps),
+        "shrunk_steps": sum(s.shed > 0 or s.load_plain for s in steps),
+        "shed_draft_tokens": sum(s.shed for s in steps),
         "route_decisions": dict(Counter(routes)),
         "skipped": skips,
         "prefill_s": None if prefill_s is None else round(prefill_s, 4), "total_s": round(total_s, 4),

@@ -28,6 +28,7 @@ from taps_ray.serving.logprobs import TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.session import DecodeSession
+from taps_ray.spec.batch import BatchingTarget, ForwardBatcher
 from taps_ray.spec.decoder import check_sampling
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class Verifier:
         self.counts: Counter = Counter()
         self._active_lock = threading.Lock()
         self._supports: dict[frozenset[str], torch.Tensor | None] = {}
+        self.batcher = ForwardBatcher(self.target, self.cfg.batch_max_requests, self.cfg.batch_wait_ms / 1000,
+                                      expected=lambda: self.active)
 
     def _support(self, plan: Plan, timeout_s: float) -> torch.Tensor | None:
         """The drafting support of ``plan`` (:func:`plan_support`), computed once per set of drafters
@@ -113,14 +116,21 @@ class Verifier:
             self._supports[key] = support
         return support
 
+    def node_budget(self) -> int:
+        """The most tree nodes a request may verify in its next step: its share of ``serve.batch_max_tokens``
+        among the requests decoding now, as many as share a forward (``serve.batch_max_requests``)."""
+        sharing = max(1, min(self.active, self.cfg.batch_max_requests))
+        return max(1, self.cfg.batch_max_tokens // sharing)
+
     def info(self) -> dict:
         """The target, its context length, the drafters, this replica's pid and resident memory; ``active``:
         decode loops running now (prefill included), ``waiting``: requests accepted but not yet started,
         ``outcomes``: how past requests ended (``finished``, ``refused``, ``failed``, ``cancelled`` /
-        ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``)."""
+        ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``), ``batches``:
+        target forwards run so far per number of requests they verified."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
                 "pid": os.getpid(), "rss_bytes": rss_bytes(), "active": self.active, "waiting": self.waiting,
-                "outcomes": dict(self.counts)}
+                "outcomes": dict(self.counts), "batches": dict(self.batcher.sizes)}
 
     async def generate(self, request: DecodeRequest):
         loop = asyncio.get_running_loop()
@@ -189,12 +199,13 @@ class Verifier:
             return stopped
         emit({"type": "start", "prompt_tokens": len(ids), "max_tokens": max_tokens})
         capture = self.capture if self.capture is not None and self.capture.sampled() else None
-        session = DecodeSession(self.target, request, emit, self.pieces if request.logprobs is not None else None,
-                                capture)
+        session = DecodeSession(BatchingTarget(self.target, self.batcher), request, emit,
+                                self.pieces if request.logprobs is not None else None, capture)
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
                                   session.on_tokens, cancel, expires, self.cfg.route_probe_steps,
-                                  self.cfg.route_recheck_every, self.tree, self._support(request.plan, deadline))
+                                  self.cfg.route_recheck_every, self.tree, self._support(request.plan, deadline),
+                                  self.node_budget if self.cfg.batch_max_tokens else None)
         try:
             stopped = session.run(ids, strategy, sampling, max_tokens)
         finally:

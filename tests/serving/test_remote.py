@@ -336,6 +336,31 @@ def test_lookup_drafts_alone_when_no_drafter_answers_and_stays_lossless(bigram, 
     assert max(s.accepted for s in result.steps) == 5 and len(result.steps) < 40
 
 
+def test_a_node_budget_cuts_each_tree_to_its_best_nodes_and_one_node_decodes_plainly(bigram, drafters):
+    """Budget 4 for 5 steps, then 1 for 5, then none: the cut trees are the full trees' top 4 nodes, the
+    budget-1 steps are plain and ask no drafter (the next call catches the session up), every cut is
+    counted in the taps block, and the output stays the target's."""
+    prompt = random_prompt(bigram, 6, 2)
+    vanilla = generate(bigram, prompt, max_new_tokens=NEW)
+    budgets = iter([4] * 5 + [1] * 5)
+    plan = resolve_plan("single", ["even"], serve_cfg(["even"]))
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)])}
+    strategy = RecordingRemote("r", plan, clients, 10.0, TREE.total_tokens,
+                               node_budget=lambda: next(budgets, 1000))
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == vanilla.token_ids
+    sizes = [step.tree_size for step in result.steps]
+    assert sizes[:5] == [4] * 5 and sizes[5:10] == [1] * 5 and max(sizes[10:]) > 4
+    assert clients["even"].calls == len(sizes) - 5, "a budget of one node must not ask the drafters"
+    for i, prefix in enumerate(strategy.trees):
+        full = fresh_tree(bigram, drafters["even"], strategy.prefixes[prefix])
+        assert same_tree(full.top(4) if i < 5 else full, strategy.trees[prefix])
+    taps = summarize(plan, strategy.steps, strategy.skip_counts, 0.0, 1.0, result.steps)
+    assert taps["shrunk_steps"] == 10 and taps["plain_steps"] == 5
+    assert taps["shed_draft_tokens"] == sum(info.shed for info in strategy.steps) == 5 * (TREE.total_tokens - 4)
+    strategy.close()
+
+
 @pytest.mark.slow
 def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
     sessions = {n: DraftSessions(bigram, drafters[n], TREE) for n in ("even", "odd")}
