@@ -226,38 +226,6 @@ def test_a_stop_sequence_keeps_the_output_the_response_kept(target, drafters, tm
     assert row["input_ids"].tolist() == PROMPTS[4] + vanilla[:completion - 1]
 
 
-def test_plain_taps_train_trains_on_a_captured_folder(tmp_path, monkeypatch, ray_session):
-    """A dataset ``{kind: features, path: <capture folder>}`` is trained on by ``taps train`` as it is."""
-    from taps_ray.config import load_config
-    from taps_ray.data.contamination import TRAINED_PROMPTS
-    from taps_ray.models.drafter import DraftHead
-    from taps_ray.train.launch import run_training
-    from tests.train.train_helpers import tiny_experiment, write_config
-
-    monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
-    _, target = tiny_experiment(tmp_path, [{"name": "c", "mixture": "math-only"}])
-    folder = tmp_path / "captured"
-    capture = CaptureConfig(enabled=True, dir=str(folder), rows_per_shard=8)
-    verifier = make_verifier(target, {"a": oracle_drafter(target)}, capture)
-    prompts = [torch.randint(2, 128, (6 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist()
-               for i in range(26)]
-    for prompt in prompts:
-        decode(verifier, prompt)
-    verifier.capture.flush()
-    datasets = {"captured": {"domain": "chat", "alternatives": [{"kind": "features", "path": str(folder)}]}}
-    path = write_config(tmp_path, tmp_path / "target", [{"name": "c", "mixture": "captured-only"}],
-                        data={"datasets": datasets, "features": {"max_len": 64}},
-                        mixtures={"captured-only": {"counts": {"captured": 16}}})
-    cfg = load_config(path)
-    summary = run_training(cfg, target=target)
-    assert [(r.variant, r.status) for r in summary.variants] == [("c", "ok")]
-    out = cfg.run_dir / "drafters" / "c"
-    DraftHead.load(out, target.config, target.fingerprint)
-    record = json.loads((out / TRAINED_PROMPTS).read_text())
-    assert set(record["sha256"]) <= {prompt_hash(target.tokenizer.decode(p)) for p in prompts}
-    assert json.loads((out / "config.json").read_text())["mixture"]["counts"] == {"captured": 16}
-
-
 def test_a_features_source_names_a_folder_and_stands_alone(tmp_path):
     from taps_ray.config import DatasetConfig, ExperimentConfig
     from taps_ray.data.feature_sets import feature_set_path

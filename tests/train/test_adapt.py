@@ -1,7 +1,8 @@
 """``taps adapt`` end to end on a tiny random target: requests served with capture on become the traffic
 folder; the new version starts from the source drafter's weights and vocabulary, trains on traffic and
 the source's original datasets at the traffic share, and records tau before / after per domain in its
-``config.json`` and model card. Bad inputs are one-line errors."""
+``config.json`` and model card. ``--new`` is plain ``taps train`` on a ``{kind: features, path: <capture
+folder>}`` dataset: the captured folder is trained on as it is. Bad inputs are one-line errors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from taps_ray import cli
 from taps_ray.config import CaptureConfig, ConfigError, load_config
+from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash
 from taps_ray.models.drafter import DraftHead
 from taps_ray.train.adapt import TRAFFIC, AdaptError, run_adapt
 from tests.serving.test_capture import decode, make_verifier
@@ -20,6 +22,11 @@ from tests.spec.spec_helpers import oracle_drafter
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment, write_features
 
 CAPTURED = 26  # 6 held out (train.heldout_rows), 20 in the traffic pool
+
+
+def captured_prompts() -> list[list[int]]:
+    return [torch.randint(2, VOCAB, (6 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(CAPTURED)]
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +43,15 @@ def setup(tmp_path_factory):
             source, target.fingerprint, extra={"algorithm": "eagle2", "data": {"math": {}, "chat": {}}})
         capture = CaptureConfig(enabled=True, dir=str(tmp / "traffic"), rows_per_shard=8)
         verifier = make_verifier(target, {"a": oracle_drafter(target)}, capture)
-        for i in range(CAPTURED):
-            decode(verifier, torch.randint(2, VOCAB, (6 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist())
+        for prompt in captured_prompts():
+            decode(verifier, prompt)
         verifier.capture.flush()
         yield path, target, source, tmp / "traffic", tmp
         verifier.pool.shutdown()
 
 
-def test_adapt_fine_tunes_the_source_at_the_traffic_share_and_writes_a_version(setup, ray_session, monkeypatch):
+def test_adapt_fine_tunes_the_source_at_the_traffic_share_then_trains_a_new_drafter_on_the_captured_folder(
+        setup, ray_session, monkeypatch):
     path, target, source, traffic, tmp = setup
     monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
     # a learning rate of 1e-9 keeps the weights where training started: they must be the source's
@@ -73,13 +81,20 @@ def test_adapt_fine_tunes_the_source_at_the_traffic_share_and_writes_a_version(s
     assert "| traffic |" in card and "| math |" in card and "simulated tau" in card
     assert json.loads((result.out / "config.json").read_text())["adapt"] == record
 
-    # the next version of the same run folder; --new: a fresh specialist on traffic only, through the CLI
+    # the next version of the same run folder; --new: a fresh specialist on traffic only, through the CLI:
+    # plain `taps train` on the dataset {kind: features, path: <capture folder>}, the folder as it is
     assert cli.main(["adapt", str(path), "--traffic", str(traffic), "--drafter", str(folder), "--new",
                      "train.epochs=1"]) == 0
-    second = json.loads((cfg.run_dir / "drafters" / "adapt-v2" / "config.json").read_text())
+    second_dir = cfg.run_dir / "drafters" / "adapt-v2"
+    second = json.loads((second_dir / "config.json").read_text())
     assert second["version"] == 2 and second["parent"] == str(folder) and "init_from" not in second
     assert second["adapt"]["rows"] == {TRAFFIC: 20} and second["adapt"]["new"] is True
-    assert not np.allclose(drafter_tensors(cfg.run_dir / "drafters" / "adapt-v2")["fc.weight"], new["fc.weight"])
+    assert second["mixture"]["counts"] == {TRAFFIC: 20} and second["data"][TRAFFIC]["features"] == str(traffic)
+    DraftHead.load(second_dir, target.config, target.fingerprint)
+    trained = json.loads((second_dir / TRAINED_PROMPTS).read_text())
+    assert trained["sha256"] and set(trained["sha256"]) <= {prompt_hash(target.tokenizer.decode(p))
+                                                            for p in captured_prompts()}
+    assert not np.allclose(drafter_tensors(second_dir)["fc.weight"], new["fc.weight"])
 
 
 def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
