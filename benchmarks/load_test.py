@@ -117,7 +117,7 @@ def one_attempt(client, model: str, index: int, prompt: int, args, hang_up: bool
     extra = {"taps": {"strategy": args.strategy}} if args.strategy else {}
     try:
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPTS[prompt]}], max_tokens=args.max_tokens,
+            model=model, messages=[{"role": "user", "content": prompt_set(args)[prompt]}], max_tokens=args.max_tokens,
             temperature=args.temperature, seed=args.seed, stream=True, stream_options={"include_usage": True},
             extra_body=extra)
         for chunk in stream:
@@ -184,7 +184,7 @@ def run(args) -> dict:
                 hang_up = next(hangups)
             if (limit is not None and index >= limit) or (deadline is not None and time.perf_counter() > deadline):
                 return
-            record = one_request(client, model, index, index % len(PROMPTS), args, hang_up, deadline)
+            record = one_request(client, model, index, index % len(prompt_set(args)), args, hang_up, deadline)
             with lock:
                 records.append(record)
             if args.verbose:
@@ -216,21 +216,27 @@ def run(args) -> dict:
         "skipped_drafter_steps": sum(sum(sum(v.values()) for v in r.taps.get("skipped", {}).values()) for r in ok),
     }
     if args.verify:
-        summary["verify"] = verify(args.verify, ok, args.max_tokens, [r for r in records if r.outcome == "hung_up"])
+        summary["verify"] = verify(args.verify, ok, args.max_tokens, [r for r in records if r.outcome == "hung_up"],
+                                   prompts=prompt_set(args))
     return {"summary": summary, "records": [asdict(r) for r in sorted(records, key=lambda r: r.index)]}
 
 
+def prompt_set(args) -> list[str]:
+    """The prompts requests cycle through: ``args.prompt_texts`` when given, else :data:`PROMPTS`."""
+    return getattr(args, "prompt_texts", None) or PROMPTS
+
+
 def verify(config: str, records: list[Record], max_tokens: int, partial: list[Record] = (),
-           overrides: list[str] = ()) -> dict:
-    """In-process vanilla greedy text per distinct prompt (the target of ``config`` with ``overrides``:
-    the served one), the completed ``records`` that differ from it and the ``partial`` (hung-up) ones
-    whose text so far is not a prefix of it."""
+           overrides: list[str] = (), prompts: list[str] = PROMPTS) -> dict:
+    """In-process vanilla greedy text per distinct prompt of ``prompts`` (the target of ``config`` with
+    ``overrides``: the served one), the completed ``records`` that differ from it and the ``partial``
+    (hung-up) ones whose text so far is not a prefix of it."""
     from taps_ray.config import load_config
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.decoder import generate
 
     target = TargetModel.load(load_config(config, list(overrides)).target)
-    expected = {p: generate(target, [{"role": "user", "content": PROMPTS[p]}], max_new_tokens=max_tokens).text
+    expected = {p: generate(target, [{"role": "user", "content": prompts[p]}], max_new_tokens=max_tokens).text
                 for p in sorted({r.prompt for r in [*records, *partial]})}
     mismatched = [r.index for r in records if r.text != expected[r.prompt]]
     not_prefix = [r.index for r in partial if not expected[r.prompt].startswith(r.text)]

@@ -406,8 +406,9 @@ class ServeConfig(Strict):
     batch_max_requests: int = Field(default=8, ge=1, description=(
         "per verifier replica: steps of that many requests verified in one target forward (1: each alone)"))
     batch_max_tokens: int = Field(default=64, ge=0, description=(
-        "per target forward: tree nodes its requests share; under load each tree is cut to its share, and a "
-        "share of 1 decodes plainly (0: no cut)"))
+        "per target forward: tree nodes its requests share; under load each tree is cut to its share (0: no cut)"))
+    min_tree_nodes: int = Field(default=4, ge=1, description=(
+        "a request whose share of batch_max_tokens is smaller decodes its step plainly, without drafting"))
     batch_wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
         "how long a step waits for the other decoding requests' steps to join its forward"))
     max_queued_requests: int = Field(default=8, ge=1, description=(

@@ -118,9 +118,11 @@ class Verifier:
 
     def node_budget(self) -> int:
         """The most tree nodes a request may verify in its next step: its share of ``serve.batch_max_tokens``
-        among the requests decoding now, as many as share a forward (``serve.batch_max_requests``)."""
+        among the requests decoding now, as many as share a forward (``serve.batch_max_requests``); 1 (a
+        plain step) when that share is below ``serve.min_tree_nodes``."""
         sharing = max(1, min(self.active, self.cfg.batch_max_requests))
-        return max(1, self.cfg.batch_max_tokens // sharing)
+        share = self.cfg.batch_max_tokens // sharing
+        return share if share >= self.cfg.min_tree_nodes else 1
 
     def info(self) -> dict:
         """The target, its context length, the drafters, this replica's pid and resident memory; ``active``:

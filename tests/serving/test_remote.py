@@ -361,6 +361,16 @@ def test_a_node_budget_cuts_each_tree_to_its_best_nodes_and_one_node_decodes_pla
     strategy.close()
 
 
+@pytest.mark.parametrize("active, expected", [(0, 32), (1, 32), (2, 16), (4, 8), (6, 5), (8, 4), (16, 4)])
+def test_the_verifier_shares_batch_max_tokens_among_the_requests_of_a_batch(active, expected):
+    verifier = object.__new__(Verifier)
+    verifier.cfg = ServeConfig(drafters={"a": None}, batch_max_tokens=32, batch_max_requests=8, min_tree_nodes=4)
+    verifier.active = active
+    assert verifier.node_budget() == expected
+    verifier.cfg = ServeConfig(drafters={"a": None}, batch_max_tokens=32, batch_max_requests=8, min_tree_nodes=5)
+    assert verifier.node_budget() == (1 if expected < 5 else expected), "below min_tree_nodes: a plain step"
+
+
 @pytest.mark.slow
 def test_concurrent_requests_on_shared_sessions_stay_isolated(bigram, drafters):
     sessions = {n: DraftSessions(bigram, drafters[n], TREE) for n in ("even", "odd")}
