@@ -1,6 +1,7 @@
-"""``taps train`` end to end on a tiny random target: two variants train concurrently, one survives an
-injected failure by resuming from its last checkpoint, outputs are never overwritten silently, and
-input problems are one-line errors. The job-submission test runs its own Ray cluster."""
+"""``taps train`` end to end on a tiny random target, submitted as a Ray job (``ray job submit --working-dir .
+-- taps train CONFIG``) to a private head node the module starts: two variants train concurrently, one
+survives an injected failure by resuming from its last checkpoint, outputs are never overwritten
+silently, and input problems are one-line errors."""
 
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def experiment(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(experiment, ray_session):
+def trained(experiment):
+    """Variants ``a`` (failing once before step ``FAIL_AT``) and ``b`` trained by a Ray job on a private head
+    node (:func:`submit_training`): (config, target, the run's ``train_summary.json``, the job's output and
+    the statuses of the cluster's jobs)."""
     path, target = experiment
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAIL_ENV, f"a:{FAIL_AT}")
-        summary = run_training(load_config(path), target=target)
-    return load_config(path), target, summary
+    output, statuses = submit_training(path, {FAIL_ENV: f"a:{FAIL_AT}"})
+    cfg = load_config(path)
+    return cfg, target, json.loads((cfg.run_dir / "train_summary.json").read_text()), output, statuses
 
 
 def _error_line(capsys) -> str:
@@ -68,9 +71,20 @@ def _records(cfg, variant):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.integration
+def test_ray_job_submit_trains_the_variants(trained):
+    """``ray job submit --working-dir . -- taps train CONFIG`` against a private head node succeeds and
+    prints the summary table."""
+    _, _, _, output, statuses = trained
+    assert "succeeded" in output and "| a | hass | math-only |" in output and "| b | hass | math-only |" in output
+    assert statuses == ["SUCCEEDED"]
+
+
+@pytest.mark.slow
 def test_variants_train_concurrently_into_loadable_drafters(trained):
-    cfg, target, summary = trained
-    assert [(r.variant, r.status, r.steps) for r in summary.variants] == [("a", "ok", STEPS), ("b", "ok", STEPS)]
+    cfg, target, summary, _, _ = trained
+    assert [(r["variant"], r["status"], r["steps"]) for r in summary["variants"]] == [("a", "ok", STEPS),
+                                                                                     ("b", "ok", STEPS)]
     for name in ("a", "b"):
         out = cfg.run_dir / "drafters" / name
         head = DraftHead.load(out, target.config, target.fingerprint)
@@ -83,12 +97,11 @@ def test_variants_train_concurrently_into_loadable_drafters(trained):
         meta = json.loads((cfg.run_dir / "drafters" / name / "config.json").read_text())
         alive[name] = (meta["training"]["attempts"][0]["time"], _records(cfg, name)[-1]["time"])
     assert alive["a"][0] < alive["b"][1] and alive["b"][0] < alive["a"][1], f"workers never ran together: {alive}"
-    saved = json.loads((cfg.run_dir / "train_summary.json").read_text())
-    assert {v["variant"] for v in saved["variants"]} == {"a", "b"}
 
 
+@pytest.mark.slow
 def test_drafters_record_the_prompts_of_the_feature_sets_they_drew_from(trained):
-    cfg, _, _ = trained
+    cfg, _, _, _, _ = trained
     math = {prompt_hash(f"math question {i}") for i in range(36)}
     for name in ("a", "b"):
         record = json.loads((cfg.run_dir / "drafters" / name / TRAINED_PROMPTS).read_text())
@@ -109,8 +122,9 @@ def test_trained_prompts_union_skips_empty_and_unrecorded_sets(tmp_path, caplog)
     assert "features of 'code'" in caplog.text and "record no prompts" in caplog.text
 
 
+@pytest.mark.slow
 def test_injected_failure_resumes_from_last_checkpoint_without_retraining(trained):
-    cfg, _, summary = trained
+    cfg, _, _, _, _ = trained
     meta = {n: json.loads((cfg.run_dir / "drafters" / n / "config.json").read_text()) for n in ("a", "b")}
     assert [a["start_step"] for a in meta["a"]["training"]["attempts"]] == [0, 9]
     assert [a["start_step"] for a in meta["b"]["training"]["attempts"]] == [0]
@@ -123,8 +137,9 @@ def test_injected_failure_resumes_from_last_checkpoint_without_retraining(traine
     assert not (cfg.run_dir / "drafters" / "b" / ".injected_failure.rank0").exists()
 
 
+@pytest.mark.slow
 def test_existing_run_is_refused_unless_resumed(trained, experiment, capsys):
-    cfg, target, _ = trained
+    cfg, target, _, _, _ = trained
     weights = cfg.run_dir / "drafters" / "a" / "model.safetensors"
     before = weights.stat().st_mtime_ns
     with pytest.raises(TrainLaunchError, match="--resume .* --force"):
@@ -166,20 +181,17 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-@pytest.mark.integration
-def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
-    """``ray job submit --working-dir . -- taps train CONFIG`` against a private head node."""
-    path, _ = experiment
-    cfg_path = tmp_path / "job.yaml"
-    raw = path.read_text().replace(str(path.parent / "runs"), str(tmp_path / "runs"))
-    cfg_path.write_text(raw)
+def submit_training(path: Path, extra_env: dict[str, str]) -> tuple[str, list[str]]:
+    """``ray job submit --working-dir . -- taps train CONFIG`` against a private head node (3 CPUs, with
+    the job server), ``extra_env`` set in the cluster's environment; the cluster is stopped after. Returns
+    the job's output and the statuses of the cluster's jobs; fails when the job does."""
     gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_mgr, obj_mgr = _free_ports(9)
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     bin_dir = str(Path(sys.executable).parent)
-    head_log = tmp_path / "ray_start.log"
+    head_log = path.parent / "ray_start.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "TAPS_CACHE": os.environ["TAPS_CACHE"]}
+           "TAPS_CACHE": os.environ["TAPS_CACHE"], **extra_env}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [f"{bin_dir}/ray", "start", "--head", "--block", f"--port={gcs}", f"--temp-dir={temp_dir}",
@@ -204,16 +216,10 @@ def test_ray_job_submit_trains_a_variant(experiment, tmp_path):
         assert client_ is not None, "job server did not come up"
         submit = subprocess.run(
             [f"{bin_dir}/ray", "job", "submit", f"--address={address}", "--working-dir", ".", "--",
-             "taps", "train", str(cfg_path), "train.epochs=1", "--variants", "b"],
+             "taps", "train", str(path)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-        output = submit.stdout + submit.stderr
         assert submit.returncode == 0, submit.stdout[-4000:]
-        assert "succeeded" in output and "| b | hass | math-only |" in output
-        jobs = client_.list_jobs()
-        assert [j.status.value for j in jobs] == ["SUCCEEDED"]
-        out = tmp_path / "runs" / "tiny" / "drafters" / "b"
-        meta = json.loads((out / "config.json").read_text())
-        assert meta["training"]["final"] and meta["training"]["step"] == 12
+        return submit.stdout + submit.stderr, [j.status.value for j in client_.list_jobs()]
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)
