@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel, TargetOutput
 from taps_ray.spec.decoder import GenerationResult, generate
+from taps_ray.spec.tree import DraftCompute, draft_log_probs
 
 
 @dataclass
@@ -43,29 +45,62 @@ class ForwardCall:
     mask: torch.Tensor | None = None
 
 
-def _call_mask(call: ForwardCall, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """``call.mask``, or the causal mask [n, past + n] of a plain step."""
-    if call.mask is not None:
-        return call.mask
-    n = call.tokens.numel()
-    future = torch.ones(n, n, dtype=torch.bool, device=call.tokens.device).triu(1)
-    causal = torch.zeros(n, past + n, dtype=dtype, device=call.tokens.device)
+def _causal(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask [n, past + n] of n new tokens after a cache of ``past`` entries."""
+    future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+    causal = torch.zeros(n, past + n, dtype=dtype, device=device)
     causal[:, past:] = causal[:, past:].masked_fill(future, torch.finfo(dtype).min)
     return causal
 
 
-def _padded_cache(calls: list[ForwardCall], lengths: list[int], width: int) -> DynamicCache:
-    """A cache whose layer l holds every call's entries right-padded with zeros to ``width``: [B, h, width, d]."""
-    batch = DynamicCache()
-    for index, layers in enumerate(zip(*(call.cache.layers for call in calls), strict=True)):
-        first = layers[0].keys
-        shape = (len(calls), first.shape[1], width, first.shape[3])
-        keys, values = first.new_zeros(shape), layers[0].values.new_zeros(shape)
-        for row, (layer, length) in enumerate(zip(layers, lengths)):
-            keys[row, :, :length] = layer.keys[0]
-            values[row, :, :length] = layer.values[0]
+def _batch_mask(masks: list[torch.Tensor | None], lengths: list[int], sizes: list[int], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """One additive mask [B, 1, n_max, P_max + n_max] from each row's own [n_i, P_i + n_i] (None: causal):
+    padded keys hidden, every padded query seeing only itself."""
+    width, span = max(lengths), max(sizes)
+    mask = torch.full((len(sizes), 1, span, width + span), torch.finfo(dtype).min, dtype=dtype, device=device)
+    diagonal = torch.arange(span, device=device)
+    mask[:, 0, diagonal, width + diagonal] = 0
+    for row, (own, past, n) in enumerate(zip(masks, lengths, sizes)):
+        own = _causal(n, past, dtype, device) if own is None else own
+        mask[row, 0, :n, :past] = own[:, :past]
+        mask[row, 0, :n, width:width + n] = own[:, past:]
+    return mask
+
+
+def _padded_cache(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:
+    """A cache whose layer l holds every cache's entries right-padded with zeros to the longest: [B, h,
+    P_max, d] (empty caches give zero rows; no layers when all are empty)."""
+    batch, width = DynamicCache(), max(lengths)
+    if width == 0:
+        return batch
+    for index in range(max(len(cache.layers) for cache in caches)):
+        layers = [cache.layers[index] if index < len(cache.layers) else None for cache in caches]
+        ref = next(layer for layer, n in zip(layers, lengths) if n)
+        shape = (len(caches), ref.keys.shape[1], width, ref.keys.shape[3])
+        keys, values = ref.keys.new_zeros(shape), ref.values.new_zeros(shape)
+        for row, (layer, n) in enumerate(zip(layers, lengths)):
+            if n:
+                keys[row, :, :n] = layer.keys[0]
+                values[row, :, :n] = layer.values[0]
         batch.update(keys, values, index)
     return batch
+
+
+def _extend(caches: list[DynamicCache], batch: DynamicCache, width: int, sizes: list[int]) -> None:
+    """Append to each cache its row's n_i new entries of ``batch`` (those after ``width``)."""
+    for row, (cache, n) in enumerate(zip(caches, sizes)):
+        for index, layer in enumerate(batch.layers):
+            cache.update(layer.keys[row:row + 1, :, width:width + n], layer.values[row:row + 1, :, width:width + n],
+                         index)
+
+
+def _rows(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """``parts`` [n_i, ...] right-padded with zeros and stacked: [B, n_max, ...]."""
+    out = parts[0].new_zeros((len(parts), max(sizes), *parts[0].shape[1:]))
+    for row, (part, n) in enumerate(zip(parts, sizes)):
+        out[row, :n] = part
+    return out
 
 
 @torch.inference_mode()
@@ -76,77 +111,109 @@ def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetO
         call = calls[0]
         mask = None if call.mask is None else call.mask[None, None]
         return [target.forward(call.tokens[None], call.positions[None], call.cache, mask)]
-    device, dtype = target.device, target.dtype
     lengths = [call.cache.get_seq_length() for call in calls]
     sizes = [call.tokens.numel() for call in calls]
     if min(lengths) == 0:
         raise ValueError("forward_batch extends prefilled caches; a call has an empty cache (prefill it alone)")
-    rows, width, span = len(calls), max(lengths), max(sizes)
-    tokens = torch.zeros(rows, span, dtype=torch.long, device=device)
-    positions = torch.zeros(rows, span, dtype=torch.long, device=device)
-    mask = torch.full((rows, 1, span, width + span), torch.finfo(dtype).min, dtype=dtype, device=device)
-    diagonal = torch.arange(span, device=device)
-    mask[:, 0, diagonal, width + diagonal] = 0
-    for row, (call, past, n) in enumerate(zip(calls, lengths, sizes)):
-        tokens[row, :n] = call.tokens
-        positions[row, :n] = call.positions
-        own = _call_mask(call, past, dtype)
-        mask[row, 0, :n, :past] = own[:, :past]
-        mask[row, 0, :n, width:width + n] = own[:, past:]
-    cache = _padded_cache(calls, lengths, width)
-    hidden = target.forward_hidden(tokens, positions, cache, mask)
-    valid = torch.cat([hidden[row, :n] for row, n in enumerate(sizes)])
-    logits = target.logits(valid).split(sizes)
-    outputs = []
-    for row, (call, n) in enumerate(zip(calls, sizes)):
-        for index, layer in enumerate(cache.layers):
-            call.cache.update(layer.keys[row:row + 1, :, width:width + n], layer.values[row:row + 1, :, width:width + n],
-                              index)
-        outputs.append(TargetOutput(logits=logits[row][None], hidden=hidden[row:row + 1, :n], cache=call.cache))
-    return outputs
+    caches = [call.cache for call in calls]
+    mask = _batch_mask([call.mask for call in calls], lengths, sizes, target.dtype, target.device)
+    cache = _padded_cache(caches, lengths)
+    hidden = target.forward_hidden(_rows([c.tokens for c in calls], sizes), _rows([c.positions for c in calls], sizes),
+                                   cache, mask)
+    logits = target.logits(torch.cat([hidden[row, :n] for row, n in enumerate(sizes)])).split(sizes)
+    _extend(caches, cache, max(lengths), sizes)
+    return [TargetOutput(logits=logits[row][None], hidden=hidden[row:row + 1, :n], cache=call.cache)
+            for row, (call, n) in enumerate(zip(calls, sizes))]
+
+
+@dataclass
+class DraftCall:
+    """One session's drafter forward: ``embeds`` / ``features`` [n, H] at ``positions`` [n] after ``cache``
+    (length P, possibly empty); ``mask`` [n, P + n] additive, or None for causal."""
+
+    drafter: DraftHead
+    embeds: torch.Tensor
+    features: torch.Tensor
+    positions: torch.Tensor
+    cache: DynamicCache
+    mask: torch.Tensor | None = None
+
+
+@torch.inference_mode()
+def draft_forward_batch(calls: list[DraftCall]) -> list[torch.Tensor]:
+    """One drafter forward over ``calls`` (all of one drafter); output i is call i's [1, n_i, H], and
+    call i's cache is extended by n_i entries, as ``drafter(...)`` would."""
+    drafter = calls[0].drafter
+    if any(call.drafter is not drafter for call in calls):
+        raise ValueError("draft_forward_batch runs one drafter; group calls by drafter")
+    if len(calls) == 1:
+        call = calls[0]
+        mask = None if call.mask is None else call.mask[None, None]
+        return [drafter(call.embeds[None], call.features[None], call.positions[None], call.cache, mask)]
+    lengths = [call.cache.get_seq_length() for call in calls]
+    sizes = [call.positions.numel() for call in calls]
+    dtype = calls[0].features.dtype
+    mask = _batch_mask([call.mask for call in calls], lengths, sizes, dtype, calls[0].features.device)
+    caches = [call.cache for call in calls]
+    cache = _padded_cache(caches, lengths)
+    hidden = drafter(_rows([c.embeds for c in calls], sizes), _rows([c.features for c in calls], sizes),
+                     _rows([c.positions for c in calls], sizes), cache, mask)
+    _extend(caches, cache, max(lengths), sizes)
+    return [hidden[row:row + 1, :n] for row, n in enumerate(sizes)]
+
+
+@torch.inference_mode()
+def head_batch(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`~taps_ray.spec.tree.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one product per
+    distinct head (rows of calls sharing a head stacked)."""
+    out: list = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, (head, _) in enumerate(calls):
+        groups.setdefault(id(head), []).append(i)
+    for members in groups.values():
+        head = calls[members[0]][0]
+        sizes = [calls[i][1].shape[0] for i in members]
+        parts = draft_log_probs(head, torch.cat([calls[i][1] for i in members]))
+        for i, *split in zip(members, *(part.split(sizes) for part in parts)):
+            out[i] = tuple(split)
+    return out
 
 
 class _Slot:
-    __slots__ = ("call", "output", "error")
+    __slots__ = ("call", "output", "error", "done")
 
-    def __init__(self, call: ForwardCall):
+    def __init__(self, call):
         self.call = call
-        self.output: TargetOutput | None = None
+        self.output = None
         self.error: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.output is not None or self.error is not None
+        self.done = False
 
 
-class ForwardBatcher:
-    """Gathers the target forwards of decode loops on several threads into :func:`forward_batch` calls.
+class Batcher:
+    """Gathers calls made on several threads into batches run by ``run`` (a list of calls -> their outputs).
 
-    ``max_batch``: most calls per forward; ``wait_s``: how long the leading thread waits for more;
-    ``expected``: how many calls are worth waiting for (e.g. the decode loops in flight; None:
-    ``max_batch``), a batch runs as soon as that many are pending. ``sizes`` counts the batches run
-    per size.
+    ``max_batch``: most calls per run; ``wait_s``: how long the leading thread waits for more;
+    ``expected``: how many calls are worth waiting for (e.g. the loops in flight; None: ``max_batch``),
+    a batch runs as soon as that many are pending. The first waiting thread leads: it gathers, runs the
+    batch without the lock and hands every thread its output (or the batch's error). ``sizes`` counts
+    the batches run per size.
     """
 
-    def __init__(self, target: TargetModel, max_batch: int = 8, wait_s: float = 0.002,
+    def __init__(self, run: Callable[[list], list], max_batch: int = 8, wait_s: float = 0.002,
                  expected: Callable[[], int] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if wait_s < 0:
             raise ValueError(f"wait_s must be >= 0, got {wait_s}")
-        self.target, self.max_batch, self.wait_s, self.expected = target, max_batch, wait_s, expected
+        self.run, self.max_batch, self.wait_s, self.expected = run, max_batch, wait_s, expected
         self.sizes: Counter = Counter()
         self._cond = threading.Condition()
         self._pending: list[_Slot] = []
         self._leading = False
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
-        """``TargetModel.forward`` for one request (``tokens`` [1, n]), run in a batch with others."""
-        if tokens.shape[0] != 1:
-            raise ValueError(f"ForwardBatcher.forward takes one request (tokens [1, n]), got {tuple(tokens.shape)}")
-        mask = None if attention_mask_4d is None else attention_mask_4d[0, 0]
-        slot = _Slot(ForwardCall(tokens[0], positions[0], cache, mask))
+    def submit(self, call):
+        """``run([call, ...])``'s output for ``call``, run in a batch with other threads' calls."""
+        slot = _Slot(call)
         with self._cond:
             self._pending.append(slot)
             self._cond.notify_all()
@@ -172,19 +239,64 @@ class ForwardBatcher:
         batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
         self._cond.release()
         try:
-            outputs, error = forward_batch(self.target, [slot.call for slot in batch]), None
+            outputs, error = self.run([slot.call for slot in batch]), None
         except BaseException as err:
             outputs, error = None, err
         finally:
             self._cond.acquire()
         for i, slot in enumerate(batch):
-            if error is None:
-                slot.output = outputs[i]
-            else:
-                slot.error = error
+            slot.output, slot.error, slot.done = (outputs[i] if error is None else None), error, True
         self.sizes[len(batch)] += 1
         self._leading = False
         self._cond.notify_all()
+
+
+class ForwardBatcher(Batcher):
+    """A :class:`Batcher` of target forwards (:func:`forward_batch`)."""
+
+    def __init__(self, target: TargetModel, max_batch: int = 8, wait_s: float = 0.002,
+                 expected: Callable[[], int] | None = None):
+        super().__init__(lambda calls: forward_batch(target, calls), max_batch, wait_s, expected)
+        self.target = target
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
+        """``TargetModel.forward`` for one request (``tokens`` [1, n]), run in a batch with others."""
+        if tokens.shape[0] != 1:
+            raise ValueError(f"ForwardBatcher.forward takes one request (tokens [1, n]), got {tuple(tokens.shape)}")
+        mask = None if attention_mask_4d is None else attention_mask_4d[0, 0]
+        return self.submit(ForwardCall(tokens[0], positions[0], cache, mask))
+
+
+class DraftBatcher(DraftCompute):
+    """A :class:`~taps_ray.spec.tree.DraftCompute` that runs the drafter forwards and LM-head products of
+    sessions drafting at once (each on its own thread) in batches: sessions of one drafter advance through
+    :func:`~taps_ray.spec.tree.draft_tree` in step, so each of its forwards and products is one batched call
+    (:func:`draft_forward_batch`, :func:`head_batch`); trees equal those drafted one session at a time.
+    ``expected``: the sessions drafting now."""
+
+    def __init__(self, max_batch: int = 8, wait_s: float = 0.002, expected: Callable[[], int] | None = None):
+        self.forwards = Batcher(self._forwards, max_batch, wait_s, expected)
+        self.heads = Batcher(head_batch, max_batch, wait_s, expected)
+
+    @staticmethod
+    def _forwards(calls: list[DraftCall]) -> list[torch.Tensor]:
+        out: list = [None] * len(calls)
+        groups: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault(id(call.drafter), []).append(i)
+        for members in groups.values():
+            for i, hidden in zip(members, draft_forward_batch([calls[i] for i in members])):
+                out[i] = hidden
+        return out
+
+    def forward(self, drafter: DraftHead, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: DynamicCache, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.forwards.submit(DraftCall(drafter, embeds[0], features[0], positions[0], cache,
+                                              None if mask is None else mask[0, 0]))
+
+    def log_probs(self, head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.heads.submit((head, hidden))
 
 
 class BatchingTarget:

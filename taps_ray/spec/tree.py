@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from transformers import DynamicCache
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
@@ -242,16 +243,48 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
     return merged
 
 
+class DraftCompute:
+    """How :func:`draft_tree` runs the drafter and its LM head: directly (this class, :data:`DIRECT`), or
+    through a batcher that several sessions drafting at once share
+    (:class:`taps_ray.spec.batch.DraftBatcher`), with the same results."""
+
+    def forward(self, drafter: DraftHead, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: DynamicCache, mask: torch.Tensor | None) -> torch.Tensor:
+        """``drafter(embeds [1, n, H], features [1, n, H], positions [1, n], cache, mask [1, 1, n, P + n] or
+        None)`` -> [1, n, H]; ``cache`` is extended by n entries."""
+        return drafter(embeds, features, positions, cache, mask)
+
+    def log_probs(self, head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`draft_log_probs` of ``hidden`` [n, H] under ``head`` [V, H]."""
+        return draft_log_probs(head, hidden)
+
+
+DIRECT = DraftCompute()
+
+
+def draft_head_rows(drafter: DraftHead, weight: torch.Tensor) -> torch.Tensor:
+    """The LM-head rows [V_draft, H] of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H]
+    (``weight`` itself for the whole vocabulary); computed once per drafter and head and shared by its sessions."""
+    if drafter.draft_to_target is None:
+        return weight
+    cached = drafter.__dict__.get("_head_rows")
+    if cached is None or cached[0] is not weight:
+        cached = (weight, weight[drafter.draft_to_target])
+        drafter.__dict__["_head_rows"] = cached
+    return cached[1]
+
+
 class DrafterState:
     """A drafter's KV cache over committed ``(token_{i+1}, f_i)`` pairs plus pairs not yet run.
 
     The cache holds positions ``0 .. committed - 1``; :meth:`add` queues new pairs (tokens [m],
     target features [m, H]); :func:`draft_tree` runs the queued pairs first, so after drafting
-    ``committed`` equals the root's position.
+    ``committed`` equals the root's position. ``compute`` runs the drafter (:class:`DraftCompute`).
     """
 
-    def __init__(self, drafter: DraftHead):
+    def __init__(self, drafter: DraftHead, compute: DraftCompute = DIRECT):
         self.drafter = drafter
+        self.compute = compute
         self.cache = drafter.new_cache()
         self.committed = 0
         self.head: torch.Tensor | None = None
@@ -298,7 +331,7 @@ class DrafterState:
         return tokens, features
 
 
-def _log_probs(head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def draft_log_probs(head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft log-probs [n, V], their entropies [n] and log-normalisers [n] from drafter outputs
     ``hidden`` [n, H].
 
@@ -373,12 +406,11 @@ def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState
     r = state.committed + tokens.numel()
     positions = torch.arange(state.committed, r, device=device)[None]
     dtype = drafter.fc.weight.dtype
-    out = drafter(target.embed_tokens(tokens.to(device))[None], features[None].to(device, dtype), positions,
-                  state.cache)
+    out = state.compute.forward(drafter, target.embed_tokens(tokens.to(device))[None],
+                                features[None].to(device, dtype), positions, state.cache, None)
     state.committed = r
     if state.head is None:
-        weight = target.lm_head.weight
-        state.head = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
+        state.head = draft_head_rows(drafter, target.lm_head.weight)
     return out, tokens[-1:], r
 
 
@@ -388,7 +420,7 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
     (tree mask over its own cache), all K*K children scored, the global top K the next frontier."""
     device = target.device
     dtype = drafter.fc.weight.dtype
-    logp, ent, lse = _log_probs(state.head, out[0, -1:])
+    logp, ent, lse = state.compute.log_probs(state.head, out[0, -1:])
     k = min(tree_cfg.top_k, logp.shape[-1])
     depth = tree_cfg.depth
     n_cand = k + depth * k * k
@@ -417,9 +449,9 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
         positions = torch.full((1, k), r + level - 1, device=device)
-        hidden = drafter(target.embed_tokens(frontier_token)[None], frontier_feature[None], positions,
-                         state.cache, mask)[0]
-        logp, ent, lse = _log_probs(state.head, hidden)
+        hidden = state.compute.forward(drafter, target.embed_tokens(frontier_token)[None], frontier_feature[None],
+                                       positions, state.cache, mask)[0]
+        logp, ent, lse = state.compute.log_probs(state.head, hidden)
         if c.rows is not None:
             c.rows.append((hidden, lse, ent))
         top = logp.topk(k, dim=-1)

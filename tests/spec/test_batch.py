@@ -18,11 +18,22 @@ import torch
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.spec.batch import BatchingTarget, ForwardBatcher, ForwardCall, forward_batch, generate_together
+from taps_ray.spec.batch import (
+    BatchingTarget,
+    DraftBatcher,
+    DraftCall,
+    ForwardBatcher,
+    ForwardCall,
+    draft_forward_batch,
+    forward_batch,
+    generate_together,
+    head_batch,
+)
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
-from taps_ray.spec.tree import build_tree
+from taps_ray.spec.tree import DrafterState, build_tree, draft_log_probs, draft_tree
 from taps_ray.spec.verify import tree_attention
+from tests.serving.helpers import same_tree
 from tests.spec.spec_helpers import (
     chi_square_p_value,
     joint_law,
@@ -189,3 +200,88 @@ def test_sampling_in_batches_follows_the_target_law():
     assert p_value > 1e-3, f"batched speculative samples do not follow the target law (p = {p_value:.2e})"
     control = chi_square_p_value(counts, joint_law(next_token_laws(target, prefix, 3, 0.8)))
     assert control < 1e-3, f"the test cannot tell a nearby wrong law apart (p = {control:.2e})"
+
+
+def _draft_calls(target, drafter, seed: int = 0) -> list[DraftCall]:
+    """Three sessions: a fresh one committing 6 prompt pairs (empty cache), one with 5 committed pairs
+    running 2 more, one with 8 running a 3-node frontier under a tree mask."""
+    g = torch.Generator().manual_seed(seed)
+    H = target.hidden_size
+
+    def pairs(n):
+        return target.embed_tokens(torch.randint(2, target.vocab_size, (n,), generator=g)), torch.randn(n, H, generator=g)
+
+    calls = []
+    embeds, features = pairs(6)
+    calls.append(DraftCall(drafter, embeds, features, torch.arange(6), drafter.new_cache()))
+    for past, n, tree in ((5, 2, False), (8, 3, True)):
+        cache = drafter.new_cache()
+        embeds, features = pairs(past)
+        drafter(embeds[None], features[None], torch.arange(past)[None], cache)
+        embeds, features = pairs(n)
+        mask = None
+        if tree:
+            allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), torch.eye(n, dtype=torch.bool)], 1)
+            mask = torch.zeros(n, past + n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        calls.append(DraftCall(drafter, embeds, features, torch.full((n,), past) if tree else torch.arange(past, past + n),
+                               cache, mask))
+    return calls
+
+
+def test_draft_forward_batch_equals_one_drafter_forward_per_call(peaky_target):
+    drafter = DraftHead(peaky_target.config, seed=3)
+    batched, solo = _draft_calls(peaky_target, drafter), _draft_calls(peaky_target, drafter)
+    outputs = draft_forward_batch(batched)
+    for call, alone, out in zip(batched, solo, outputs):
+        mask = None if alone.mask is None else alone.mask[None, None]
+        expected = drafter(alone.embeds[None], alone.features[None], alone.positions[None], alone.cache, mask)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        assert call.cache.get_seq_length() == alone.cache.get_seq_length()
+        torch.testing.assert_close(call.cache.layers[0].keys, alone.cache.layers[0].keys, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one drafter"):
+        draft_forward_batch([*batched[:1], DraftCall(DraftHead(peaky_target.config, seed=4), *list(vars(batched[1]).values())[1:])])
+
+
+def test_head_batch_groups_calls_by_head():
+    g = torch.Generator().manual_seed(0)
+    heads = [torch.randn(20, 8, generator=g), torch.randn(12, 8, generator=g)]
+    calls = [(heads[i % 2], torch.randn(1 + i, 8, generator=g)) for i in range(5)]
+    for (head, hidden), got in zip(calls, head_batch(calls)):
+        for mine, theirs in zip(got, draft_log_probs(head, hidden)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_sessions_drafting_together_draft_the_trees_each_drafts_alone(peaky_target):
+    """Six sessions of one drafter (vocabulary reduced to 200 ids) on six threads through one
+    DraftBatcher, three rounds of add-then-draft: every tree equals the one drafted alone, and the
+    drafter's forwards and head products ran in batches."""
+    drafter = DraftHead(peaky_target.config, draft_to_target=torch.randperm(peaky_target.vocab_size)[:200], seed=5)
+    prompts = [random_prompt(peaky_target, n, seed=s) for s, n in enumerate([5, 9, 7, 12, 6, 8])]
+    features = [peaky_target.hidden_states(p[None])[0] for p in prompts]
+    compute = DraftBatcher(max_batch=6, wait_s=0.05, expected=lambda: 6)
+    alone = [DrafterState(drafter) for _ in prompts]
+    together = [DrafterState(drafter, compute) for _ in prompts]
+    trees: dict[int, list] = {}
+
+    def run(i, states, out):
+        for round_ in range(3):
+            if round_ == 0:
+                states[i].add(prompts[i][1:], features[i][:-1])
+            else:
+                tree = out[(i, round_ - 1)]
+                states[i].add(tree.tokens[1:3], torch.randn(2, peaky_target.hidden_size,
+                                                            generator=torch.Generator().manual_seed(i * 10 + round_)))
+            out[(i, round_)] = draft_tree(drafter, peaky_target, states[i], TREE)
+
+    expected: dict = {}
+    for i in range(len(prompts)):
+        run(i, alone, expected)
+    threads = [threading.Thread(target=run, args=(i, together, trees)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert trees.keys() == expected.keys()
+    for key in expected:
+        assert same_tree(trees[key], expected[key]), f"session {key[0]} round {key[1]}"
+    assert max(compute.forwards.sizes) > 1 and max(compute.heads.sizes) > 1
