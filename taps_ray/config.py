@@ -333,6 +333,8 @@ class DrafterServeConfig(Strict):
     autoscaling: dict[str, Any] | None = Field(default=None, description="Ray Serve autoscaling_config keys")
     num_cpus: float = Field(default=0.5, ge=0, description="CPUs per replica")
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (fractions share one)")
+    resources: dict[str, float] = Field(default_factory=dict, description=(
+        "extra Ray resources per replica, e.g. {drafter_node: 1} to place replicas on nodes offering it"))
     threads: int | None = Field(default=1, ge=1, description="torch threads per replica")
     max_ongoing_requests: int = Field(default=32, ge=1, description="Serve's max_ongoing_requests per replica")
     fault: Literal["raise"] | None = Field(default=None, description=(
@@ -418,6 +420,8 @@ class ServeConfig(Strict):
     verifier_replicas: int = Field(default=1, ge=1, description="Verifier (target) replicas")
     verifier_num_cpus: float = Field(default=1.0, ge=0, description="CPUs per Verifier replica")
     verifier_num_gpus: float = Field(default=0.0, ge=0, description="GPUs per Verifier replica")
+    verifier_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "extra Ray resources per Verifier replica, e.g. {verifier_node: 1} to place it on nodes offering it"))
     ingress_replicas: int = Field(default=1, ge=1, description="ingress (HTTP front end) replicas")
     ingress_num_cpus: float = Field(default=0.25, ge=0, description="CPUs per ingress replica")
     api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False, description=(

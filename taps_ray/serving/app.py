@@ -84,7 +84,8 @@ def application(cfg: ExperimentConfig):
         options: dict[str, Any] = dict(
             name=drafter_deployment_name(name), user_config=drafter_user_config(cfg, name),
             max_ongoing_requests=d.max_ongoing_requests, request_router_config=router, health_check_period_s=2.0,
-            ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus}, logging_config=INTERNAL_LOGGING,
+            ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus, "resources": dict(d.resources)},
+            logging_config=INTERNAL_LOGGING,
         )
         if d.autoscaling:
             options["autoscaling_config"] = d.autoscaling
@@ -95,7 +96,8 @@ def application(cfg: ExperimentConfig):
         name=VERIFIER_DEPLOYMENT, num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
         max_queued_requests=s.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=s.retry_after_s),
-        ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus},
+        ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus,
+                           "resources": dict(s.verifier_resources)},
         logging_config=INTERNAL_LOGGING,
     ).bind(target, tree, s.model_dump(), drafters)
     model_name = s.model_name or served_model_name(cfg.target.model)

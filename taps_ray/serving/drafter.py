@@ -222,10 +222,10 @@ class Drafter:
         return self.sessions.end(rid)
 
     def stats(self) -> dict:
-        """This replica's name, actor name, pid, live / opened sessions, resend requests, weights spec and
-        resident memory."""
+        """This replica's name, actor name, pid, Ray node id (``node_id``, hex), live / opened sessions, resend
+        requests, weights spec and resident memory."""
         self.sessions.reap()
-        return {"name": self.name, "replica": _replica_actor_name(), "pid": os.getpid(),
+        return {"name": self.name, "replica": _replica_actor_name(), "pid": os.getpid(), "node_id": node_id(),
                 "sessions": len(self.sessions), "opened": self.sessions.opened, "resends": self.sessions.resends,
                 "spec": self.spec, "rss_bytes": rss_bytes()}
 
@@ -235,6 +235,16 @@ def _replica_actor_name() -> str | None:
 
     try:
         return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:
+        return None
+
+
+def node_id() -> str | None:
+    """The Ray node id (hex) this process runs on; None outside a Ray worker."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
     except Exception:
         return None
 

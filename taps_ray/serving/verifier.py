@@ -22,7 +22,7 @@ import torch
 from taps_ray.config import SamplingConfig, ServeConfig, TargetConfig, TreeConfig
 from taps_ray.models.target import TargetModel
 from taps_ray.serving.capture import CaptureWriter, capture_dir
-from taps_ray.serving.drafter import rss_bytes
+from taps_ray.serving.drafter import node_id, rss_bytes
 from taps_ray.serving.drafting import DrafterClient, HandleClient, RemoteStrategy, needs_support, plan_support
 from taps_ray.serving.logprobs import TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
@@ -125,13 +125,15 @@ class Verifier:
         return share if share >= self.cfg.min_tree_nodes else 1
 
     def info(self) -> dict:
-        """The target, its context length, the drafters, this replica's pid and resident memory; ``active``:
+        """The target, its context length, the drafters, this replica's pid, Ray node id (``node_id``, hex) and
+        resident memory; ``active``:
         decode loops running now (prefill included), ``waiting``: requests accepted but not yet started,
         ``outcomes``: how past requests ended (``finished``, ``refused``, ``failed``, ``cancelled`` /
         ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``), ``batches``:
         target forwards run so far per number of requests they verified."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
-                "pid": os.getpid(), "rss_bytes": rss_bytes(), "active": self.active, "waiting": self.waiting,
+                "pid": os.getpid(), "node_id": node_id(), "rss_bytes": rss_bytes(), "active": self.active,
+                "waiting": self.waiting,
                 "outcomes": dict(self.counts), "batches": dict(self.batcher.sizes)}
 
     async def generate(self, request: DecodeRequest):

@@ -130,10 +130,15 @@ def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_
     from ray import tune
 
     from taps_ray.ray_utils import init_ray
+    from taps_ray.storage import SharedStorageError, check_shared_storage
     from taps_ray.train.placement import remove_recorded
 
     init_ray()
     _quiet_tune()
+    try:
+        check_shared_storage(out, what="sweep directory")
+    except SharedStorageError as err:
+        raise SweepError(str(err)) from None
     cluster, nodes = cluster_resources()
     resources = plan_resources(spec, cluster, nodes)
     resume = check_out(out, spec, cfg, resume)

@@ -193,7 +193,8 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
     are used). Raises :class:`TrainLaunchError` for
     input problems before anything is trained; a variant whose training fails is reported in the
     summary (``status`` failed) after the others finish. One process at a time trains into a run
-    folder (:func:`taps_ray.runstate.folder_lock`).
+    folder (:func:`taps_ray.runstate.folder_lock`); on a multi-node cluster the run folder must be storage
+    every node shares (:func:`taps_ray.storage.check_shared_storage`, a :class:`TrainLaunchError` otherwise).
     """
     started = time.time()
     variants = select_variants(cfg, variant_names)
@@ -208,6 +209,7 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
     import ray
 
     from taps_ray.ray_utils import init_ray
+    from taps_ray.storage import SharedStorageError, check_shared_storage
 
     target = target or load_training_target(cfg)
     fingerprint = target.fingerprint.to_dict()
@@ -225,6 +227,10 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
         return _summarize(run_dir, [], time.time() - started)
 
     init_ray()
+    try:
+        check_shared_storage(run_dir, what="run directory")
+    except SharedStorageError as err:
+        raise TrainLaunchError(str(err)) from None
     quiet_ray_data()
     embed = target.embed_tokens.weight.detach().cpu()
     head = target.lm_head.weight.detach().cpu()

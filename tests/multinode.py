@@ -1,0 +1,172 @@
+"""Multi-node scenarios on a real ``ray.cluster_utils.Cluster`` (several raylets on this machine, the way
+Ray tests itself), each run in its own process by ``tests/test_multinode.py`` so that its cluster never
+meets the in-process session cluster of the other test modules (``tests/conftest.py``: ``ray_session``).
+
+``python -m tests.multinode SCENARIO`` prints one line ``RESULT <json>`` and exits 0 when the scenario's
+checks pass; the cluster is shut down on every path out (``finally``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+OBJECT_STORE = 80 * 1024 * 1024
+
+
+@contextmanager
+def two_node_cluster(head: dict, worker: dict) -> Iterator[tuple[object, object]]:
+    """A head node and one more node (``ray.cluster_utils.Cluster``, no dashboard), this process connected
+    as the driver; yields (cluster, the second node). Disconnects and shuts the cluster down after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from taps_ray.ray_utils import set_ray_env
+
+    set_ray_env()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "include_dashboard": False, "object_store_memory": OBJECT_STORE, **head})
+    try:
+        node = cluster.add_node(object_store_memory=OBJECT_STORE, **worker)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster, node
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def storage_check(tmp: str) -> dict:
+    """:func:`check_shared_storage` on the connected multi-node cluster of one machine (one filesystem):
+    every node sees the marker, so the directory passes as ``shared``; no marker is left behind."""
+    from pathlib import Path
+
+    from taps_ray.storage import MARKER_PREFIX, alive_nodes, check_shared_storage
+
+    nodes = alive_nodes()
+    assert len(nodes) == 2, nodes
+    started = time.monotonic()
+    decision = check_shared_storage(tmp)
+    assert decision == "shared", decision
+    assert not [p for p in Path(tmp).iterdir() if p.name.startswith(MARKER_PREFIX)]
+    return {"decision": decision, "nodes": len(nodes), "check_s": round(time.monotonic() - started, 2)}
+
+
+PROMPTS = ["What is 7 times 8?", "Name three colours of the rainbow.", "Count from one to five.",
+           "What is the capital of France?"]
+NEW = 8
+TREE = {"depth": 2, "top_k": 2, "total_tokens": 5}
+
+
+def serving(tmp: str) -> dict:
+    """The shared-storage check on the two nodes (:func:`storage_check`); then the Verifier on the head
+    node (resource ``verifier_node``), drafter ``a``'s replica on the other (``drafter_node``). Greedy outputs equal in-process ``generate`` with the same drafter; then the
+    drafter node is removed while requests are in flight, and those and later requests still answer
+    the same text (the verifier skips the unreachable drafter and decodes plainly)."""
+    import requests
+    import torch
+    from ray import serve
+
+    from taps_ray.config import TreeConfig, load_config
+    from taps_ray.models.target import TargetModel
+    from taps_ray.serving.app import VERIFIER_DEPLOYMENT, application, drafter_deployment_name
+    from taps_ray.spec.decoder import generate, load_drafter
+    from taps_ray.spec.protocol import SingleStrategy
+    from tests.serving.helpers import free_port
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [
+        f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
+        "serve.drafters={a: {seed: 0, num_cpus: 1, resources: {drafter_node: 1}}}",
+        "serve.verifier_resources={verifier_node: 1}", "serve.verifier_num_cpus=0.5", "serve.ingress_num_cpus=0.25",
+        "serve.draft_deadline_s=0.5", "serve.max_draft_deadline_s=5", "serve.max_concurrent_requests=4", "serve.request_timeout_s=120",
+    ])
+    app = "taps-multinode"
+    with two_node_cluster({"num_cpus": 2, "resources": {"verifier_node": 1}},
+                          {"num_cpus": 1, "resources": {"drafter_node": 1}}) as (cluster, drafter_node):
+        import ray
+
+        shared = storage_check(tmp)  # the same cluster serves the storage check's positive path
+
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        starting = threading.Thread(target=serve.run, args=(application(cfg),),
+                                    kwargs={"name": app, "route_prefix": "/", "blocking": False})
+        starting.start()
+        target = TargetModel.load(cfg.target)
+        drafter = load_drafter(target, None, 0)
+        expected = {p: generate(target, [{"role": "user", "content": p}],
+                                SingleStrategy(drafter, TreeConfig(**TREE)), max_new_tokens=NEW).text
+                    for p in PROMPTS}
+        starting.join()
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+        def ask(prompt: str, **taps) -> dict:
+            body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
+                    "temperature": 0, "max_tokens": NEW, "taps": taps}
+            reply = requests.post(url, json=body, timeout=180)
+            assert reply.status_code == 200, (reply.status_code, reply.text)
+            return reply.json()
+
+        head_id = ray.get_runtime_context().get_node_id()
+        # the drafter's replica takes the second node's one CPU, so the ingress (and its HTTP proxy, HeadOnly)
+        # stay on the head node with the verifier: only drafting crosses nodes
+        info = serve.get_deployment_handle(VERIFIER_DEPLOYMENT, app).info.remote().result(timeout_s=60)
+        stats = serve.get_deployment_handle(drafter_deployment_name("a"), app).stats.remote().result(timeout_s=60)
+        assert info["node_id"] == head_id, (info["node_id"], head_id)
+        assert stats["node_id"] == drafter_node.node_id, (stats["node_id"], drafter_node.node_id)
+
+        timings = {}
+        started = time.monotonic()
+        before = [ask(p, draft_deadline_s=5) for p in PROMPTS[:2]]  # a loaded machine still drafts
+        timings["before_s"] = round(time.monotonic() - started, 2)
+        for prompt, reply in zip(PROMPTS[:2], before, strict=True):
+            assert reply["choices"][0]["message"]["content"] == expected[prompt], (prompt, reply)
+        drafted_before = [reply["taps"]["drafted_steps"] for reply in before]
+        assert all(drafted_before), f"the remote drafter drafted no step: {drafted_before}"
+
+        started = time.monotonic()
+        during: dict[str, dict] = {}
+        threads = [threading.Thread(target=lambda p=p: during.__setitem__(p, ask(p))) for p in PROMPTS[2:]]
+        for thread in threads:
+            thread.start()
+        verifier = serve.get_deployment_handle(VERIFIER_DEPLOYMENT, app)
+        for _ in range(100):  # remove the node once the requests are decoding
+            if verifier.info.remote().result(timeout_s=60)["active"]:
+                break
+            time.sleep(0.1)
+        cluster.remove_node(drafter_node)
+        for thread in threads:
+            thread.join(timeout=180)
+        timings["during_s"] = round(time.monotonic() - started, 2)
+        assert set(during) == set(PROMPTS[2:]), during
+        for prompt, reply in during.items():
+            assert reply["choices"][0]["message"]["content"] == expected[prompt], (prompt, reply)
+
+        started = time.monotonic()
+        after = {p: ask(p) for p in PROMPTS[::2]}
+        timings["after_s"] = round(time.monotonic() - started, 2)
+        for prompt, reply in after.items():
+            assert reply["choices"][0]["message"]["content"] == expected[prompt], (prompt, reply)
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        return {"storage": shared, "verifier_node": info["node_id"], "drafter_node": stats["node_id"], "alive_after": alive,
+                "drafted_before": drafted_before, "skipped_during": {p: r["taps"]["skipped"] for p, r in during.items()},
+                "skipped_after": {p: r["taps"]["skipped"] for p, r in after.items()}, **timings}
+
+
+SCENARIOS = {"serving": serving}
+
+
+def main(argv: list[str]) -> int:
+    name, tmp = argv[1], argv[2]
+    result = SCENARIOS[name](tmp)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
