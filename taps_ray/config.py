@@ -337,6 +337,8 @@ class DrafterServeConfig(Strict):
         "extra Ray resources per replica, e.g. {drafter_node: 1} to place replicas on nodes offering it"))
     threads: int | None = Field(default=1, ge=1, description="torch threads per replica")
     max_ongoing_requests: int = Field(default=32, ge=1, description="Serve's max_ongoing_requests per replica")
+    batch_sessions: int = Field(default=8, ge=1, description=(
+        "per replica: sessions drafting at once, sharing each drafter forward (1: one at a time)"))
     fault: Literal["raise"] | None = Field(default=None, description=(
         "drills and tests: raise fails every draft call"))
     delay_s: float = Field(default=0.0, ge=0, description="drills and tests: sleep before each draft call")

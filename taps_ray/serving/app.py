@@ -91,7 +91,8 @@ def application(cfg: ExperimentConfig):
             options["autoscaling_config"] = d.autoscaling
         else:
             options["num_replicas"] = d.num_replicas
-        drafters[name] = serve.deployment(Drafter).options(**options).bind(name, target, tree, ttl, d.threads)
+        drafters[name] = serve.deployment(Drafter).options(**options).bind(name, target, tree, ttl, d.threads,
+                                                                          d.batch_sessions, s.batch_wait_ms / 1000)
     verifier = serve.deployment(Verifier).options(
         name=VERIFIER_DEPLOYMENT, num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
         max_queued_requests=s.max_queued_requests,

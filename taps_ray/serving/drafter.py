@@ -16,11 +16,13 @@ answers ``{"unsupported": message}`` and opens no session.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +33,9 @@ from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_head import load_target_head
+from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.decoder import load_drafter
-from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+from taps_ray.spec.tree import DIRECT, DraftCompute, DrafterState, DraftTree, draft_tree
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,15 @@ class DraftSessions:
     ``target`` supplies the embeddings, LM head and device (a :class:`~taps_ray.models.target_head.TargetHead`
     is enough).
     A session keeps the drafter it started with, so :meth:`swap` never disturbs running requests.
+    ``compute`` runs the drafter for every session (:data:`~taps_ray.spec.tree.DIRECT`, or a
+    :class:`~taps_ray.spec.batch.DraftBatcher` when sessions draft at once on several threads).
     """
 
-    def __init__(self, target: TargetModel, drafter: DraftHead, tree: TreeConfig, ttl_s: float = 300.0):
+    def __init__(self, target: TargetModel, drafter: DraftHead, tree: TreeConfig, ttl_s: float = 300.0,
+                 compute: DraftCompute = DIRECT):
         self.target = target
         self.drafter = drafter
+        self.compute = compute
         self.tree = tree
         self.ttl_s = ttl_s
         self._sessions: dict[str, _Session] = {}
@@ -108,7 +115,7 @@ class DraftSessions:
                 if offset != 0:
                     self.resends += 1
                     return {"need": 0}
-                state = DrafterState(self.drafter)
+                state = DrafterState(self.drafter, self.compute)
                 try:
                     state.support_rows(self.target, support)
                 except ValueError as err:
@@ -180,10 +187,20 @@ class Drafter:
 
     ``user_config`` (hot-swappable through :meth:`reconfigure`): ``checkpoint``, ``seed``,
     ``average`` + ``alpha``, ``fault`` and ``delay_s``.
+
+    ``batch_sessions`` > 1: up to that many :meth:`propose` calls run at once, each on its own thread,
+    and the sessions drafting together share each drafter forward and LM-head product
+    (:class:`~taps_ray.spec.batch.DraftBatcher`, waiting at most ``batch_wait_s`` for one another);
+    1: one call at a time.
     """
 
-    def __init__(self, name: str, target: dict, tree: dict, ttl_s: float = 300.0, threads: int | None = 1):
+    def __init__(self, name: str, target: dict, tree: dict, ttl_s: float = 300.0, threads: int | None = 1,
+                 batch_sessions: int = 1, batch_wait_s: float = 0.002):
         self.threads = threads
+        self.drafting = 0
+        self.pool = ThreadPoolExecutor(batch_sessions, thread_name_prefix="taps-draft")
+        self.compute = DIRECT if batch_sessions <= 1 else DraftBatcher(batch_sessions, batch_wait_s,
+                                                                     expected=lambda: self.drafting)
         self.name = name
         self.target = load_target_head(TargetConfig(**target))  # drafting needs only the embedding and LM head
         self.tree = TreeConfig(**tree)
@@ -198,7 +215,7 @@ class Drafter:
         if spec != self.spec:
             drafter = build_drafter(self.target, spec, self.name)
             if self.sessions is None:
-                self.sessions = DraftSessions(self.target, drafter, self.tree, self.ttl_s)
+                self.sessions = DraftSessions(self.target, drafter, self.tree, self.ttl_s, self.compute)
             else:
                 self.sessions.swap(drafter)
             self.spec = spec
@@ -209,8 +226,18 @@ class Drafter:
     def vocabulary(self) -> torch.Tensor | None:
         return self.sessions.vocabulary()
 
-    def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                support: torch.Tensor | None = None) -> dict:
+    async def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                      support: torch.Tensor | None = None) -> dict:
+        """:meth:`DraftSessions.propose` on the replica's drafting pool (see the class docs)."""
+        self.drafting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._propose, rid, offset, tokens,
+                                                                    features, support)
+        finally:
+            self.drafting -= 1
+
+    def _propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
+                 support: torch.Tensor | None) -> dict:
         if self.delay_s:
             time.sleep(self.delay_s)
         faults.drafter_fault(self.fault, self.name)

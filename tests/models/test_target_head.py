@@ -4,6 +4,7 @@ driver load their target through it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def test_callers_load_only_the_head(tmp_path, monkeypatch):
                       TreeConfig(depth=2, top_k=2, total_tokens=5).model_dump())
     assert isinstance(replica.target, TargetHead) and spy.read == [EMBED]
     replica.reconfigure({"checkpoint": None, "seed": 0})
-    out = replica.propose("r1", 0, torch.tensor([3, 4]), torch.randn(2, HIDDEN))
+    out = asyncio.run(replica.propose("r1", 0, torch.tensor([3, 4]), torch.randn(2, HIDDEN)))
     assert 1 < out["tree"].tokens.numel() <= 5
 
     spy.read.clear()

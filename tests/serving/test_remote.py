@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from taps_ray.config import ServeConfig, TreeConfig
-from taps_ray.serving.drafter import DraftSessions, SessionAffinityRouter
+from taps_ray.serving.drafter import Drafter, DraftSessions, SessionAffinityRouter
 from taps_ray.serving.drafting import RemoteStrategy, StopGeneration, plan_support
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.session import TextStream, summarize
 from taps_ray.serving.verifier import Verifier
+from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
+from taps_ray.spec.tree import DIRECT
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
@@ -369,6 +372,41 @@ def test_the_verifier_shares_batch_max_tokens_among_the_requests_of_a_batch(acti
     assert verifier.node_budget() == expected
     verifier.cfg = ServeConfig(drafters={"a": None}, batch_max_tokens=32, batch_max_requests=8, min_tree_nodes=5)
     assert verifier.node_budget() == (1 if expected < 5 else expected), "below min_tree_nodes: a plain step"
+
+
+def test_a_drafter_replica_drafts_concurrent_sessions_together(bigram, drafters):
+    """Four requests' proposes reach a batching replica at once (three rounds): each answer equals the
+    tree a one-at-a-time replica drafts, and the drafter's forwards ran in batches."""
+    def replica(batch_sessions: int) -> Drafter:
+        made = object.__new__(Drafter)
+        made.name, made.threads, made.fault, made.delay_s, made.drafting = "even", None, None, 0.0, 0
+        made.pool = ThreadPoolExecutor(batch_sessions)
+        made.compute = DraftBatcher(batch_sessions, 0.05, expected=lambda: made.drafting) if batch_sessions > 1 \
+            else DIRECT
+        made.sessions = DraftSessions(bigram, drafters["even"], TREE, compute=made.compute)
+        return made
+
+    prompts = [random_prompt(bigram, 5 + i, 20 + i) for i in range(4)]
+    features = [bigram.hidden_states(p[None])[0] for p in prompts]
+
+    async def rounds(made: Drafter) -> list:
+        trees = []
+        for round_ in range(3):
+            calls = []
+            for i, prompt in enumerate(prompts):
+                if round_ == 0:
+                    calls.append(made.propose(f"r{i}", 0, prompt[1:], features[i][:-1]))
+                else:
+                    held = prompt.numel() - 1 + 2 * (round_ - 1)
+                    tokens = trees[-len(prompts) + i].tokens[1:3]
+                    calls.append(made.propose(f"r{i}", held, tokens, torch.ones(2, bigram.hidden_size) * round_))
+            trees += [answer["tree"] for answer in await asyncio.gather(*calls)]
+        return trees
+
+    together, alone = replica(4), replica(1)
+    batched, expected = asyncio.run(rounds(together)), asyncio.run(rounds(alone))
+    assert all(same_tree(a, b) for a, b in zip(batched, expected, strict=True))
+    assert max(together.compute.forwards.sizes) > 1 and max(together.compute.heads.sizes) > 1
 
 
 @pytest.mark.slow
