@@ -3,6 +3,8 @@
 * Training: ``fail_at_step`` in the worker config or ``$TAPS_TRAIN_FAIL_AT_STEP`` = ``N`` (every
   variant) or ``variant:N[,variant:N]``: :func:`fail_at_step` parses it and :func:`train_step_fault`
   raises :class:`InjectedFailure` before step ``N``, once per marker file (the loop keeps one per rank).
+  ``$TAPS_TRAIN_STEP_DELAY_S`` (seconds, read by the workers) slows every step by that much
+  (:func:`train_step_delay`), so a drill can act between two checkpoints (a node removed mid-run).
 * Sweeps: ``$TAPS_SWEEP_FAIL`` = ``KEY=VALUE[,KEY=VALUE]`` (read by the driver): :func:`trial_fault`
   makes every attempt of the trials whose config matches all pairs raise :class:`InjectedTrialFailure`
   before any work.
@@ -19,6 +21,7 @@ import math
 from pathlib import Path
 
 TRAIN_ENV = "TAPS_TRAIN_FAIL_AT_STEP"
+TRAIN_DELAY_ENV = "TAPS_TRAIN_STEP_DELAY_S"
 SWEEP_ENV = "TAPS_SWEEP_FAIL"
 
 
@@ -55,6 +58,20 @@ def train_step_fault(fail_at: int | None, next_step: int, marker: Path, variant:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     raise InjectedFailure(f"{variant}: injected failure before step {next_step} ({TRAIN_ENV})")
+
+
+def train_step_delay() -> None:
+    """Sleep ``$TAPS_TRAIN_STEP_DELAY_S`` seconds (unset or empty: none) before a training step."""
+    import os
+    import time
+
+    value = os.environ.get(TRAIN_DELAY_ENV, "")
+    if value:
+        try:
+            delay = float(value)
+        except ValueError:
+            raise ValueError(f"{TRAIN_DELAY_ENV}={value!r}: expected a number of seconds, e.g. 0.5") from None
+        time.sleep(max(delay, 0.0))
 
 
 def _matches(value, wanted: str) -> bool:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -24,15 +26,20 @@ def run_scenario(name: str, tmp_path, timeout_s: float) -> dict:
     """Run scenario ``name`` of ``tests/multinode.py`` in a child process (its own session, so every raylet
     it starts goes with it on a timeout); return its ``RESULT`` and print its duration."""
     started = time.monotonic()
+    # a Ray temp dir of its own: the cluster's address file (ray_current_cluster) must not lead another
+    # process's plain ray.init() on this machine into it (short, for the session's unix sockets)
+    ray_tmp = tempfile.mkdtemp(prefix="taps-mn-", dir="/tmp")
     child = subprocess.Popen([sys.executable, "-m", "tests.multinode", name, str(tmp_path)], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp})
     try:
         output, _ = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         output, _ = child.communicate()
         pytest.fail(f"scenario {name} ran past {timeout_s}s:\n{output[-6000:]}")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"scenario {name}: {time.monotonic() - started:.1f}s")
     results = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert child.returncode == 0 and results, f"scenario {name} failed (rc {child.returncode}):\n{output[-6000:]}"

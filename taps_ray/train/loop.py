@@ -418,6 +418,7 @@ def _train_epoch(worker: _Worker, epoch: int, objective: ObjectiveConfig) -> Non
         if index < skip:
             continue
         faults.train_step_fault(worker.fail_at, state.step + 1, worker.marker, worker.variant)
+        faults.train_step_delay()
         lr, grad_norm = _train_step(worker, rows, epoch, objective)
         epoch_end = index + 1 == per_epoch
         if state.step % train.log_every == 0 or epoch_end:

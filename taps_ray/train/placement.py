@@ -72,6 +72,7 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
 
     def __init__(self):
         self.reaper = None
+        self.controller = None
         self.record: Path | None = None
 
     def after_controller_start(self, train_run_context) -> None:
@@ -79,7 +80,17 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
         config = train_run_context.run_config
         if "://" not in str(config.storage_path):
             self.record = Path(config.storage_path) / config.name / RECORD
-        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(lifetime="detached").remote(controller)
+        self.controller = controller
+        self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        """A reaper on the controller's own node (a reaper on another node would die with that node and
+        fail every later worker-group start of the run on a multi-node cluster)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(
+            lifetime="detached", scheduling_strategy=here).remote(self.controller)
         self.reaper.watch.remote()
 
     def after_worker_group_start(self, worker_group) -> None:
@@ -89,7 +100,11 @@ class ReaperCallback(ControllerCallback, WorkerGroupCallback):
             with self.record.open("a") as f:
                 f.write(group.id.hex() + "\n")
         if self.reaper is not None:
-            ray.get(self.reaper.register.remote(group))
+            try:
+                ray.get(self.reaper.register.remote(group))
+            except ray.exceptions.RayActorError:  # its node is gone: a new reaper takes over
+                self._start_reaper()
+                ray.get(self.reaper.register.remote(group))
 
     async def before_controller_shutdown(self) -> None:
         self._stop()
