@@ -56,7 +56,8 @@ TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 @dataclass(frozen=True)
 class Series:
     """One metric: ``kind`` counter, gauge or histogram, its ``taps_`` name (counters without
-    ``_total``), help text, labels besides ``model_name``, histogram buckets, vLLM's name if it has one."""
+    ``_total``), help text, labels besides ``model_name``, histogram buckets, vLLM's name if it has one,
+    and the :class:`ServingMetrics` attribute that records it."""
 
     kind: Literal["counter", "gauge", "histogram"]
     name: str
@@ -64,46 +65,60 @@ class Series:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     vllm: str | None = None
+    attribute: str = ""
 
 
 SERIES = {s.name: s for s in (
     Series("counter", "taps_request_success", "Finished requests by finish reason", ("finished_reason",),
-           vllm="vllm:request_success"),
-    Series("counter", "taps_request_failure", "Requests answered with an error, by HTTP status", ("status",)),
-    Series("gauge", "taps_num_requests_running", "Requests being decoded", vllm="vllm:num_requests_running"),
+           vllm="vllm:request_success", attribute="success"),
+    Series("counter", "taps_request_failure", "Requests answered with an error, by HTTP status", ("status",),
+           attribute="failure"),
+    Series("gauge", "taps_num_requests_running", "Requests being decoded", vllm="vllm:num_requests_running",
+           attribute="running"),
     Series("gauge", "taps_num_requests_waiting", "Requests waiting for a verifier slot",
-           vllm="vllm:num_requests_waiting"),
+           vllm="vllm:num_requests_waiting", attribute="waiting"),
     Series("counter", "taps_request_aborted", "Requests given up before they finished, by reason (disconnect: the "
-           "client hung up; timeout: serve.request_timeout_s ran out in the queue)", ("reason",)),
-    Series("counter", "taps_prompt_tokens", "Prompt tokens of finished requests", vllm="vllm:prompt_tokens"),
+           "client hung up; timeout: serve.request_timeout_s ran out in the queue)", ("reason",),
+           attribute="aborted"),
+    Series("counter", "taps_prompt_tokens", "Prompt tokens of finished requests", vllm="vllm:prompt_tokens",
+           attribute="prompt_tokens"),
     Series("counter", "taps_generation_tokens", "Generated tokens of finished requests",
-           vllm="vllm:generation_tokens"),
-    Series("counter", "taps_spec_decode_num_steps", "Target verification steps (drafted or plain)"),
-    Series("counter", "taps_spec_decode_num_drafts", "Verified draft trees", vllm="vllm:spec_decode_num_drafts"),
+           vllm="vllm:generation_tokens", attribute="generation_tokens"),
+    Series("counter", "taps_spec_decode_num_steps", "Target verification steps (drafted or plain)",
+           attribute="steps"),
+    Series("counter", "taps_spec_decode_num_drafts", "Verified draft trees", vllm="vllm:spec_decode_num_drafts",
+           attribute="drafts"),
     Series("counter", "taps_spec_decode_num_draft_tokens", "Verified draft tree nodes (root excluded)",
-           vllm="vllm:spec_decode_num_draft_tokens"),
+           vllm="vllm:spec_decode_num_draft_tokens", attribute="draft_tokens"),
     Series("counter", "taps_spec_decode_num_accepted_tokens", "Accepted draft tokens (before trimming)",
-           vllm="vllm:spec_decode_num_accepted_tokens"),
+           vllm="vllm:spec_decode_num_accepted_tokens", attribute="accepted_tokens"),
     Series("counter", "taps_spec_decode_num_accepted_tokens_per_pos",
            "Accepted draft tokens by position in the accepted path (0-based)", ("position",),
-           vllm="vllm:spec_decode_num_accepted_tokens_per_pos"),
-    Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree"),
+           vllm="vllm:spec_decode_num_accepted_tokens_per_pos", attribute="accepted_per_pos"),
+    Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree",
+           attribute="plain_steps"),
     Series("counter", "taps_spec_decode_shrunk_steps", "Steps whose draft tree was cut to its share of "
-           "serve.batch_max_tokens under load, or not drafted (a share of one node: a plain step)"),
-    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batch_max_tokens"),
-    Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",)),
-    Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason")),
-    Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",)),
-    Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS),
+           "serve.batch_max_tokens under load, or not drafted (a share of one node: a plain step)",
+           attribute="shrunk_steps"),
+    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batch_max_tokens",
+           attribute="shed_draft_tokens"),
+    Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",),
+           attribute="route_decisions"),
+    Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason"),
+           attribute="drafter_skips"),
+    Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",),
+           attribute="strategy_requests"),
+    Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS,
+           attribute="tau"),
     Series("histogram", "taps_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
-           vllm="vllm:e2e_request_latency_seconds"),
+           vllm="vllm:e2e_request_latency_seconds", attribute="e2e"),
     Series("histogram", "taps_time_to_first_token_seconds", "Time to the first generated text",
-           buckets=LATENCY_BUCKETS, vllm="vllm:time_to_first_token_seconds"),
+           buckets=LATENCY_BUCKETS, vllm="vllm:time_to_first_token_seconds", attribute="ttft"),
     Series("histogram", "taps_time_per_output_token_seconds", "Decode time per generated token",
-           buckets=TOKEN_BUCKETS),
+           buckets=TOKEN_BUCKETS, attribute="tpot"),
     Series("histogram", "taps_inter_token_latency_seconds", "Time per verification step after the first token "
            "(one observation per step: the request's mean)", buckets=TOKEN_BUCKETS,
-           vllm="vllm:inter_token_latency_seconds"),
+           vllm="vllm:inter_token_latency_seconds", attribute="itl"),
 )}
 """Every series, by ``taps_`` name."""
 
@@ -182,29 +197,13 @@ class ServingMetrics:
     ``taps_`` names and, with ``names="vllm"``, vLLM's as well; :meth:`render` is the replica's page."""
 
     content_type = CONTENT_TYPE_LATEST
-    ATTRIBUTES = {
-        "success": "taps_request_success", "failure": "taps_request_failure",
-        "running": "taps_num_requests_running", "waiting": "taps_num_requests_waiting",
-        "aborted": "taps_request_aborted", "prompt_tokens": "taps_prompt_tokens",
-        "generation_tokens": "taps_generation_tokens", "steps": "taps_spec_decode_num_steps",
-        "drafts": "taps_spec_decode_num_drafts", "draft_tokens": "taps_spec_decode_num_draft_tokens",
-        "accepted_tokens": "taps_spec_decode_num_accepted_tokens",
-        "accepted_per_pos": "taps_spec_decode_num_accepted_tokens_per_pos",
-        "plain_steps": "taps_spec_decode_num_plain_steps", "shrunk_steps": "taps_spec_decode_shrunk_steps",
-        "shed_draft_tokens": "taps_spec_decode_shed_draft_tokens", "route_decisions": "taps_spec_decode_route_decisions",
-        "drafter_skips": "taps_drafter_skipped_steps", "strategy_requests": "taps_strategy_requests",
-        "tau": "taps_acceptance_length", "e2e": "taps_e2e_request_latency_seconds",
-        "ttft": "taps_time_to_first_token_seconds", "tpot": "taps_time_per_output_token_seconds",
-        "itl": "taps_inter_token_latency_seconds",
-    }
 
     def __init__(self, model: str, names: MetricsNames = "taps"):
         self.model = model
         self.registry = CollectorRegistry()
-        for attribute, name in self.ATTRIBUTES.items():
-            series = SERIES[name]
-            both = (name, series.vllm) if names == "vllm" and series.vllm else (name,)
-            setattr(self, attribute, Family(series, both, self.registry))
+        for series in SERIES.values():
+            both = (series.name, series.vllm) if names == "vllm" and series.vllm else (series.name,)
+            setattr(self, series.attribute, Family(series, both, self.registry))
 
     def finished(self, finish: str, usage: dict, taps: dict, latency_s: float, ttft_s: float | None) -> None:
         m = self.model
