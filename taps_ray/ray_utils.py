@@ -286,7 +286,8 @@ def _print_worker_logs(data: dict, print_file=None, ignore_prefix: bool = False)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None):
-    """Join ``address`` (or ``$RAY_ADDRESS``) when given, else start an in-process local cluster.
+    """Join ``address`` (or ``$RAY_ADDRESS``) when given, else start a new in-process local cluster (never
+    one that ``ray start`` or a test cluster left its address for in Ray's temp folder).
 
     A local cluster gets ``num_cpus`` logical CPUs (default 4, so a 2-core laptop can run a
     target actor next to trainer workers), no dashboard and a 256 MiB object store. With
@@ -309,6 +310,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, configure_logging=not routed)
     else:
         ray.init(
+            address="local",  # a new cluster even when `ray start` left its address in Ray's temp folder
             num_cpus=num_cpus or int(os.environ.get("TAPS_RAY_CPUS", "4")),
             include_dashboard=False,
             object_store_memory=256 * 1024 * 1024,

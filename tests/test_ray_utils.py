@@ -127,3 +127,23 @@ def test_native_log_lines_on_stderr_go_to_the_file(capfd, tmp_path):
     assert "core_worker.cc:2465: Actor with class name: 'MapWorker'" in path.read_text()
     os.write(2, native)
     assert capfd.readouterr().err == native.decode()  # routing stopped: stderr is stderr again
+
+
+@pytest.mark.parametrize("given, env, expected", [(None, None, "local"), (None, "10.0.0.1:6379", "10.0.0.1:6379"),
+                                                  ("auto", None, "auto")])
+def test_init_ray_starts_its_own_cluster_unless_told_to_join_one(monkeypatch, given, env, expected):
+    """Without an address ``ray.init`` would join the cluster whose address ``ray start`` left in Ray's temp
+    folder (and then refuse ``num_cpus``); init_ray asks for a new local one instead."""
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    ray_utils.init_ray(given)
+    assert len(calls) == 1 and calls[0]["address"] == expected
+    assert ("num_cpus" in calls[0]) == (expected == "local")
