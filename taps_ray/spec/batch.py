@@ -9,11 +9,14 @@ copied, right-padded, into a batch cache [B, kv_heads, P_max, d], the tokens int
 own n new entries, and its output is its rows of the batch. One call is exactly
 ``TargetModel.forward``; every step after it (acceptance, compaction, sampling) stays per request.
 
-:class:`ForwardBatcher` gathers the calls of decode loops running on several threads: the first
-waiting thread leads, waits up to ``wait_s`` until ``expected()`` calls (at most ``max_batch``) are
-pending, runs them with :func:`forward_batch` and hands each thread its output. :class:`BatchingTarget`
-is a target whose ``forward`` goes through a batcher, so :func:`~taps_ray.spec.decoder.generate` runs
-unchanged on it (prefill stays one request per forward: prompts differ too much in length to pad).
+:class:`Batcher` gathers calls made on several threads: the first waiting thread leads, waits up to
+``wait_s`` until ``expected()`` calls (at most ``max_batch``) are pending, runs them as one batch and
+hands each thread its output. :class:`ForwardBatcher` batches target forwards (:func:`forward_batch`);
+:class:`BatchingTarget` is a target whose ``forward`` goes through one, so
+:func:`~taps_ray.spec.decoder.generate` runs unchanged on it (prefill stays one request per forward:
+prompts differ too much in length to pad). :class:`DraftBatcher` does the same for drafting: the
+drafter forwards (:func:`draft_forward_batch`, same padding over the drafter's cache) and LM-head
+products (:func:`head_batch`) of sessions drafting at once.
 """
 
 from __future__ import annotations
