@@ -190,7 +190,8 @@ class ResourcesSpec(Strict):
         "one GPU per training worker and per tau measurement (auto: when the cluster has GPUs)"))
     eval_cpus: float = Field(default=1.0, gt=0, description="CPUs of the task or actor that measures tau")
     trial_cpus: float = Field(default=0.25, gt=0, description="mixture: CPUs of the Tune actor driving the run")
-    reserve_cpus: float = Field(default=1.0, ge=0, description="mixture: CPUs kept free for Ray Data's read tasks")
+    reserve_cpus: float = Field(default=0.0, ge=0, description=(
+        "mixture: CPUs the trials leave free for other work on the cluster"))
     threads: int | None = Field(default=None, ge=1, description="torch threads per process (None: its CPUs)")
     max_concurrent_trials: int | None = Field(default=None, ge=1, description=(
         "trials at once (None: as many as the cluster fits)"))

@@ -102,7 +102,6 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from taps_ray.models.target import TargetFingerprint
-    from taps_ray.ray_utils import quiet_ray_data
     from taps_ray.train.variant import build_trainer, copy_final, init_vocabularies, plan_variants
 
     started = time.time()
@@ -111,7 +110,6 @@ def mixture_trial(config: dict, context: MixtureContext) -> None:
     cfg, variant = trial_variant(spec, context.cfg, config, context.use_gpu)
     init_vocab = init_vocabularies(cfg, [variant], context.target_config, TargetFingerprint(**context.fingerprint))
     plan = plan_variants(cfg, [variant], context.sets, context.vocab_size, context.eos_ids, init_vocab)[0]
-    quiet_ray_data()
     epochs = plan.train.epochs + (plan.train.stage2.epochs if plan.train.stage2 else 0)
     trainer = build_trainer(cfg, plan, folder, context.sets, context.weights, context.heldout, context.target_config,
                             context.fingerprint, context.use_gpu, spec.resources.cpus_per_worker, context.threads,

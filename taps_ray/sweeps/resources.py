@@ -46,7 +46,7 @@ def plan_resources(spec: SweepSpec, cluster: dict[str, float], nodes: list[dict[
         reserve = res.reserve_cpus
         bundles = {"a Ray Train worker": worker, "the evaluation task": evaluation}
         describe = (f"the trial actor ({res.trial_cpus:g} CPU) + max({res.num_workers} Ray Train worker(s) x "
-                    f"{_fmt(worker)}, evaluation {_fmt(evaluation)}); {reserve:g} CPU kept free for Ray Data")
+                    f"{_fmt(worker)}, evaluation {_fmt(evaluation)})" + (f"; {reserve:g} CPU kept free" if reserve else ""))
     else:
         actor = evaluation
         cpus, gpus, reserve = res.eval_cpus, gpu, 0.0

@@ -1,9 +1,7 @@
-"""A training worker's data: its shard's rows each epoch, their seeded order, the padded batches, the
-held-out rows.
+"""A training worker's batches: its slice's rows (:mod:`taps_ray.train.shards`; the same sequence
+after a restart) each epoch in a seeded order, the padded batches, the held-out rows.
 
-Dataset ``train`` (split over workers; Ray Data order preserved, so a shard's row sequence is the same
-after a restart) has the feature columns plus ``dataset``; each epoch it is read once (or replayed from
-memory with ``cache_rows``: :class:`ShardRows`) and shuffled in windows of ``shuffle_buffer`` rows by a
+Each epoch the slice is read once (or replayed from memory with ``cache_rows``) and shuffled in windows of ``shuffle_buffer`` rows by a
 generator seeded with (seed, epoch, rank) (:func:`epoch_batches`). Every worker runs
 ``ceil((train_rows // world) / batch_size)`` steps per epoch (:func:`steps_per_epoch`).
 """
@@ -87,24 +85,3 @@ def heldout_rows(tables: dict | None, hidden_size: int) -> dict[str, list[dict]]
                     row[key] = row[key]["data"]
             rows.setdefault(name, []).append(decode_row(row, hidden_size))
     return rows
-
-
-class ShardRows:
-    """The rows of a dataset shard, read from Ray Data each epoch or, with ``cache``, once and then
-    replayed from memory in the same order."""
-
-    def __init__(self, shard, cache: bool):
-        self.shard, self.cache = shard, cache
-        self.rows: list[dict] | None = None
-
-    def __iter__(self) -> Iterator[dict]:
-        if self.rows is not None:
-            yield from self.rows
-            return
-        seen: list[dict] = []
-        for row in self.shard.iter_rows():
-            if self.cache:
-                seen.append(row)
-            yield row
-        if self.cache:
-            self.rows = seen

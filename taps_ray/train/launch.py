@@ -38,7 +38,6 @@ from typing import Literal
 
 from taps_ray.config import ExperimentConfig, VariantConfig
 from taps_ray.data.feature_sets import FeatureCacheError, load_feature_sets
-from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import changed_settings, describe_changes, folder_lock, write_json
 from taps_ray.train.variant import (
     TrainLaunchError,
@@ -231,7 +230,6 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
         check_shared_storage(run_dir, what="run directory")
     except SharedStorageError as err:
         raise TrainLaunchError(str(err)) from None
-    quiet_ray_data()
     embed = target.embed_tokens.weight.detach().cpu()
     head = target.lm_head.weight.detach().cpu()
     weights = ray.put({"embed": embed, "lm_head": head})

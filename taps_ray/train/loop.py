@@ -5,14 +5,15 @@
 ``fingerprint`` (dict), ``init_from`` (a drafter folder or ``release:NAME`` a fresh run starts from, or
 None), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
 the target's frozen tensors), ``draft_to_target`` (list of target ids or None), ``drafter_seed``,
-``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names),
+``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names), ``blocks``
+(the training rows' :class:`~taps_ray.train.shards.FeatureBlock` list, in sequence order),
 ``heldout`` (an ObjectRef of, or a dict of pyarrow Tables of held-out feature rows per dataset),
 ``cache_rows`` (keep the shard's raw rows in memory after the first epoch), ``metrics_path``,
 ``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``,
 ``trained_prompts`` (optional: written as the drafter's ``trained_prompts.json``).
 
-Data (:mod:`taps_ray.train.batches`): each worker reads its shard of dataset ``train`` once per
-epoch in a seeded order and runs the same number of steps per epoch. Each rank evaluates every
+Data (:mod:`taps_ray.train.shards`, :mod:`taps_ray.train.batches`): each worker reads its slice of
+the training rows from their Parquet files once per epoch (or once, ``cache_rows``), in a seeded order, and runs the same number of steps per epoch. Each rank evaluates every
 ``world``-th held-out batch and the sums are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
 step), so it needs no saved state and a resumed run draws exactly what an uninterrupted one would.
 
@@ -49,9 +50,10 @@ from taps_ray.data.contamination import write_trained_prompts
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetFingerprint
 from taps_ray.runstate import append_jsonl, read_jsonl, write_jsonl
-from taps_ray.train.batches import ShardRows, collate, epoch_batches, heldout_rows, steps_per_epoch
+from taps_ray.train.batches import collate, epoch_batches, heldout_rows, steps_per_epoch
 from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
+from taps_ray.train.shards import ShardRows
 
 STATE_NAME = "train_state.pt"
 DRAFTER_DIR = "drafter"
@@ -395,7 +397,7 @@ def _setup(config: dict) -> _Worker:
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
         heldout=heldout_rows(_resolve(config.get("heldout")), hidden_size),
         pooled=list(config.get("datasets") or []),
-        shard=ShardRows(ray.train.get_dataset_shard("train"), bool(config.get("cache_rows", False))))
+        shard=ShardRows(config["blocks"], rank, world, bool(config.get("cache_rows", False))))
 
 
 def _stage_objective(worker: _Worker, epoch: int) -> ObjectiveConfig:

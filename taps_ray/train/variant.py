@@ -3,8 +3,8 @@
 
 The plan holds the held-out split of every prepared dataset (``heldout_rows``, ``heldout_seed``), the
 mixture's row selection over the training pools and an optional reduced draft vocabulary. The
-trainer reads a Ray Dataset of the selected feature rows (``read_parquet`` filtered by row id, blocks
-in a seeded order) and has its own ``ScalingConfig`` and
+trainer's workers read the selected feature rows from the cache's Parquet row groups, in a seeded
+block order, each its own slice (:mod:`taps_ray.train.shards`); it has its own ``ScalingConfig`` and
 ``RunConfig(storage_path=<run_dir>/ray, name=<variant>, FailureConfig(max_failures))``. A variant's
 final drafter records ``trained_prompts.json``, the prompt hashes of every feature set its mixture
 drew from (:mod:`taps_ray.data.contamination`).
@@ -26,13 +26,12 @@ from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.runstate import atomic_copy
 from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
+from taps_ray.train.shards import FEATURE_COLUMNS, plan_blocks
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
 
 log = logging.getLogger(__name__)
 
-FEATURE_COLUMNS = ["row_id", "input_ids", "loss_mask", "length", "hidden"]
 CACHE_BYTES = 2 * 1024**3
-READ_CPUS = 0.25
 
 
 class TrainLaunchError(ValueError):
@@ -130,24 +129,6 @@ def _select_rows(batch, row_ids: np.ndarray, dataset: str):
     return table.append_column("dataset", pa.array([dataset] * table.num_rows, type=pa.string()))
 
 
-def feature_dataset(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray], seed: int | None = None):
-    """Ray Dataset of the feature rows ``rows[dataset]`` of each feature set, plus a ``dataset``
-    column; blocks in a seeded random order when ``seed`` is given."""
-    import ray
-
-    parts = []
-    for name, ids in sorted(rows.items()):
-        if len(ids) == 0:
-            continue
-        ds = ray.data.read_parquet(sets[name].shard_paths(), columns=FEATURE_COLUMNS,
-                                   ray_remote_args={"num_cpus": READ_CPUS})
-        parts.append(ds.map_batches(_select_rows, fn_kwargs={"row_ids": np.asarray(ids, dtype=np.int64),
-                                                             "dataset": name},
-                                    batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS))
-    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    return ds.randomize_block_order(seed=seed) if seed is not None else ds
-
-
 def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> dict:
     """Held-out feature rows per dataset as pyarrow Tables (read on the driver)."""
     import pyarrow.parquet as pq
@@ -193,8 +174,8 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
                    threads: int, callbacks: list | None = None):
     """The ``TorchTrainer`` of one planned variant (``callbacks``: Ray Train ``UserCallback``s, e.g. a
     Tune report callback when a sweep trial drives it)."""
-    from ray.data import ExecutionOptions
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+
     variant, train = plan.variant, plan.train
     use_gpu = gpus_present if train.use_gpu == "auto" else bool(train.use_gpu)
     resources = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": cpus}
@@ -212,6 +193,8 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "init_from": train.init_from,
         "train_rows": plan.rows,
         "datasets": sorted(plan.selection.rows),
+        "blocks": plan_blocks({n: sets[n].shard_paths() for n in plan.selection.rows}, plan.selection.rows,
+                              train.seed),
         "heldout": heldout,
         "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
@@ -231,8 +214,6 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
             **({"init_from": train.init_from} if train.init_from else {}),
         },
     }
-    datasets = {"train": feature_dataset(sets, plan.selection.rows, seed=train.seed)}
-    options = ExecutionOptions(preserve_order=True)
     return _trainer_class()(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -241,8 +222,6 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
                              failure_config=FailureConfig(max_failures=train.max_failures), callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              logging_config=LoggingConfig(log_level="ERROR")),
-        datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=options),
     )
 
 

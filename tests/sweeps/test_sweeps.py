@@ -27,6 +27,7 @@ from taps_ray.faults import SWEEP_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
 from taps_ray.sweeps.config import ObjectiveSpec, SweepError, SweepSpecError, parse_spec
 from taps_ray.sweeps.run import run_sweep
+from taps_ray.train.placement import RECORD
 from tests.conftest import make_tiny_target
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment
 
@@ -97,9 +98,10 @@ def test_mixture_sweep_trains_evaluates_and_picks_the_best(mixture, experiment, 
         assert first[stopped[0].trial_id] < first[survivor.trial_id]
         assert not (mixture.out / "trials" / stopped[0].trial_id / "drafter").exists()
     deadline = time.time() + 60
-    while left := [{k: pg.get(k) for k in ("name", "bundles", "state", "stats")}
+    while left := [{k: pg.get(k) for k in ("placement_group_id", "name", "bundles", "state", "stats")}
                    for pg in ray_session.util.placement_group_table().values() if pg["state"] != "REMOVED"]:
-        assert time.time() < deadline, f"placement groups outlived the sweep: {left}"
+        recorded = {str(p.relative_to(mixture.out)): p.read_text().split() for p in mixture.out.rglob(RECORD)}
+        assert time.time() < deadline, f"placement groups outlived the sweep: {left}; the runs recorded {recorded}"
         time.sleep(1)
     assert mixture.best is max(ok, key=lambda r: r.objective)
     best = json.loads((mixture.out / "best.json").read_text())
@@ -179,7 +181,7 @@ def test_drafters_of_different_targets_are_refused(experiment, mixture, ray_sess
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"resources": {"num_workers": 16}}, "each trial needs 17.25 CPU and 0 GPU .* but the cluster has 4 CPU and 0 GPU"),
+    ({"resources": {"num_workers": 16}}, "each trial needs 16.25 CPU and 0 GPU .* but the cluster has 4 CPU and 0 GPU"),
     ({"resources": {"use_gpu": True}}, "resources.use_gpu is true but the cluster has no GPUs"),
     ({"search": {"ratio": [0.5], "total": [999]}}, "search.total: ratio 0.5 x total 999: mixture asks for 500 rows"),
     ({"eval": {**EVAL, "prompts": {"code": {"source": "heldout"}}}}, r"dataset\(s\) \['code'\] that the experiment"),

@@ -24,6 +24,7 @@ from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash, write_feature_prompts
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureSelection
+from taps_ray.faults import TRAIN_DELAY_ENV
 from taps_ray.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
 from taps_ray.train.launch import TrainLaunchError, run_training
@@ -34,6 +35,7 @@ from tests.train.train_helpers import drafter_tensors, tiny_experiment
 HASS = {"algorithm": "hass", "mixture": "math-only", "objective": {"hass_passes": 2, "topk_weight": 0.0},
         "train": {"stage2": {"epochs": 1, "lr": 5e-4, "topk_weight": 1.0}}}
 STEPS = 18  # 24 rows / batch 4 = 6 steps per epoch; 2 epochs of stage 1 + 1 of stage 2
+STEP_DELAY_S = 0.5  # a variant trains for >= 9 s, so two variants run concurrently only if launched together
 FAIL_AT = 11  # checkpoints every 3 steps: the run resumes at step 9, mid-epoch 2
 
 
@@ -50,11 +52,11 @@ def experiment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(experiment):
-    """Variants ``a`` (failing once before step ``FAIL_AT``) and ``b`` trained by a Ray job on a private head
-    node (:func:`submit_training`): (config, target, the run's ``train_summary.json``, the job's output and
+    """Variants ``a`` (failing once before step ``FAIL_AT``) and ``b``, each step slowed by ``STEP_DELAY_S``,
+    trained by a Ray job on a private head node (:func:`submit_training`): (config, target, the run's ``train_summary.json``, the job's output and
     the statuses of the cluster's jobs)."""
     path, target = experiment
-    output, statuses = submit_training(path, {FAIL_ENV: f"a:{FAIL_AT}"})
+    output, statuses = submit_training(path, {FAIL_ENV: f"a:{FAIL_AT}", TRAIN_DELAY_ENV: str(STEP_DELAY_S)})
     cfg = load_config(path)
     return cfg, target, json.loads((cfg.run_dir / "train_summary.json").read_text()), output, statuses
 

@@ -15,7 +15,7 @@ import torch
 
 from taps_ray.config import ConfigError, TrainConfig, load_config
 from taps_ray.faults import fail_at_step
-from taps_ray.train.batches import ShardRows, collate, epoch_batches, steps_per_epoch
+from taps_ray.train.batches import collate, epoch_batches, steps_per_epoch
 from taps_ray.train.loop import MetricsLog, lr_at, noise_seed, plan_stages, stage_of
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
 from tests.conftest import REPO
@@ -38,19 +38,6 @@ def test_epoch_order_is_seeded_complete_and_replayable(buffer):
     assert first != _ids(epoch_batches(rows, 4, buffer, seed=6, epoch=1, rank=0))
     if buffer >= 23:
         assert first != sorted(first) and sorted(i for b in first[:2] for i in b) != list(range(8))
-
-
-def test_shard_rows_replays_the_first_pass():
-    class Shard:
-        calls = 0
-
-        def iter_rows(self):
-            Shard.calls += 1
-            yield from ({"row_id": i} for i in range(5))
-
-    cached, streamed = ShardRows(Shard(), cache=True), ShardRows(Shard(), cache=False)
-    assert list(cached) == list(cached) == list(streamed) == list(streamed)
-    assert Shard.calls == 3
 
 
 def test_schedule_and_stages():
