@@ -293,31 +293,44 @@ def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], 
         raise ValueError(f"{section}.{key}: {item['msg']} (got {item.get('input')!r})") from None
 
 
-class VariantConfig(Strict):
+class TrainingOverrides(Strict):
+    """Overrides of the experiment's ``objective`` and ``train`` sections for one drafter (a variant, a
+    sweep's trials), checked against those sections as the config loads; subclasses declare
+    ``algorithm`` and say who they are in errors (:meth:`_owner`)."""
+
+    objective: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of objective keys (ObjectiveConfig, not algorithm)"))
+    train: dict[str, Any] = Field(default_factory=dict, description=(
+        "overrides of keys of the experiment's train section"))
+
+    def _owner(self) -> str:
+        raise NotImplementedError
+
+    @model_validator(mode="after")
+    def _overrides(self) -> TrainingOverrides:
+        if "algorithm" in self.objective:
+            raise ValueError(f"{self._owner()}: set 'algorithm', not 'objective.algorithm'")
+        self.objective_config()
+        _check_section(f"{self._owner()} train", self.train, TrainConfig, {})
+        if self.algorithm == "eagle2" and self.train.get("stage2") is not None:
+            raise ValueError(f"{self._owner()}: train.stage2 is the HASS recipe; algorithm is eagle2")
+        return self
+
+    def objective_config(self) -> ObjectiveConfig:
+        return _check_section(f"{self._owner()} objective", self.objective, ObjectiveConfig,
+                              {"algorithm": self.algorithm})
+
+
+class VariantConfig(TrainingOverrides):
     """One drafter to train: ``algorithm`` on the rows of mixture ``mixture``."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=(
         "variant name: its folder runs/<name>/drafters/<variant>"))
     algorithm: Literal["eagle2", "hass"] = Field(default="eagle2", description="training objective's algorithm")
     mixture: str = Field(description="name of the mixture (a key of mixtures) it trains on")
-    objective: dict[str, Any] = Field(default_factory=dict, description=(
-        "overrides of objective keys (ObjectiveConfig, not algorithm)"))
-    train: dict[str, Any] = Field(default_factory=dict, description=(
-        "overrides of keys of the experiment's train section"))
 
-    @model_validator(mode="after")
-    def _overrides(self) -> VariantConfig:
-        if "algorithm" in self.objective:
-            raise ValueError(f"variant {self.name!r}: set 'algorithm', not 'objective.algorithm'")
-        self.objective_config()
-        _check_section(f"variant {self.name!r} train", self.train, TrainConfig, {})
-        if self.algorithm == "eagle2" and self.train.get("stage2") is not None:
-            raise ValueError(f"variant {self.name!r}: train.stage2 is the HASS recipe; algorithm is eagle2")
-        return self
-
-    def objective_config(self) -> ObjectiveConfig:
-        return _check_section(f"variant {self.name!r} objective", self.objective, ObjectiveConfig,
-                              {"algorithm": self.algorithm})
+    def _owner(self) -> str:
+        return f"variant {self.name!r}"
 
 
 class DrafterServeConfig(Strict):

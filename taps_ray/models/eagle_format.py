@@ -62,10 +62,6 @@ EAGLE_PREFIX = "layers.0."
 OUR_PREFIX = "layer."
 
 
-class EagleExportError(ValueError):
-    """The drafter cannot be written for the requested engine; the message says why and what would work."""
-
-
 @dataclass(frozen=True)
 class EagleExport:
     """What :func:`export_eagle` wrote: the folder, the token map (or None) and the ``bias`` flag."""
@@ -75,6 +71,10 @@ class EagleExport:
     token_map: Path | None
     bias: bool
     fc_bias_dropped: bool
+
+
+class EagleExportError(ValueError):
+    """The drafter cannot be written for the requested engine; the message says why and what would work."""
 
 
 def is_eagle_config(meta: dict) -> bool:

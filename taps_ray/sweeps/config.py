@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from taps_ray.config import ObjectiveConfig, Strict, TrainConfig, TreeConfig
+from taps_ray.config import ObjectiveConfig, Strict, TrainConfig, TrainingOverrides, TreeConfig
 from taps_ray.config_loading import ConfigError, apply_overrides, format_validation_error, load_yaml
 from taps_ray.data.benchmarks import BENCHMARKS
 
@@ -208,7 +208,7 @@ class SchedulerSpec(Strict):
     reduction_factor: float = Field(default=2.0, gt=1, description="ASHA keeps the top 1 / reduction_factor")
 
 
-class MixtureBase(Strict):
+class MixtureBase(TrainingOverrides):
     """The drafter every mixture trial trains, before the trial's search values apply; ``algorithm``,
     ``objective`` and ``train`` are a variant's keys."""
 
@@ -218,10 +218,9 @@ class MixtureBase(Strict):
     total: int | None = Field(default=None, ge=1, description="rows mixed (None: as many as the pools allow)")
     seed: int = Field(default=0, description="seed of the row selection")
     algorithm: Literal["eagle2", "hass"] = Field(default="hass", description="training objective's algorithm")
-    objective: dict[str, Any] = Field(default_factory=dict, description=(
-        "overrides of objective keys (those of an experiment's variants[].objective)"))
-    train: dict[str, Any] = Field(default_factory=dict, description=(
-        "overrides of keys of the experiment's train section"))
+
+    def _owner(self) -> str:
+        return "base"
 
     @model_validator(mode="after")
     def _distinct(self) -> MixtureBase:
