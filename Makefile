@@ -14,6 +14,10 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
+# Test processes (pytest-xdist, one test file per process at a time): one per core of the CI machine.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: setup test test-fast demo lint bench clean-venv
 
 setup: $(STAMP)
@@ -25,13 +29,13 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: setup
-	@$(PY) -m pytest -q -ra; status=$$?; \
+	@$(PY) -m pytest -q -ra $(XDIST); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; \
 	exit $$status
 
 # The pure unit tier (no embedded model, no Ray): under a minute.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 demo: setup
 	$(VENV)/bin/taps demo configs/demo.yaml $(if $(filter full,$(DEMO)),--full)

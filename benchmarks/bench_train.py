@@ -5,8 +5,9 @@
 
 Every run trains from scratch (``--force``) into ``runs/bench-train/...`` on the config's cached
 features, so it never touches the config's own run. Reports per run: tokens, training tokens/s
-per worker (tokens over the loop's own training seconds, held-out evaluation excluded) and wall
-time (Ray Train start, data ingest, held-out evaluation and checkpoints included). ``--full-vocab
+per worker (tokens over the loop's own training seconds, held-out evaluation excluded), wall
+time (Ray Train start, data ingest, held-out evaluation and checkpoints included) and the overhead:
+wall time less the training seconds (what a run costs beyond its optimizer steps). ``--full-vocab
 NAMES`` adds alone-runs of those variants without the reduced draft vocabulary (the LM-head lever). The concurrent run's wall time is
 compared with the sum of the alone-runs' wall times.
 """
@@ -30,7 +31,8 @@ def train(cfg, variants: list[str], label: str) -> list[dict]:
         rows.append({"run": label, "variant": r.variant, "algorithm": r.algorithm, "status": r.status,
                      "draft_vocab": cfg.drafter.draft_vocab_size, "tokens": r.tokens,
                      "tokens_per_s_per_worker": m["tokens"] / m["train_seconds"] if m.get("train_seconds") else None,
-                     "variant_wall_s": r.wall_s, "run_wall_s": summary.wall_s, "sim_tau": m.get("heldout/tau")})
+                     "variant_wall_s": r.wall_s, "run_wall_s": summary.wall_s, "sim_tau": m.get("heldout/tau"),
+                     "overhead_s": r.wall_s - m["train_seconds"] if m.get("train_seconds") else None})
     return rows
 
 
@@ -58,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     concurrent = train(cfg, names, "concurrent") if len(names) > 1 else []
     rows += concurrent
 
-    print("| run | variant | draft vocab | tokens | train tok/s/worker | variant wall s | run wall s |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| run | variant | draft vocab | tokens | train tok/s/worker | variant wall s | overhead s | run wall s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         rate = "-" if r["tokens_per_s_per_worker"] is None else f"{r['tokens_per_s_per_worker']:.0f}"
+        overhead = "-" if r["overhead_s"] is None else f"{r['overhead_s']:.1f}"
         print(f"| {r['run']} | {r['variant']} | {r['draft_vocab'] or 'full'} | {r['tokens']} | {rate} | "
-              f"{r['variant_wall_s']:.0f} | {r['run_wall_s']:.0f} |")
+              f"{r['variant_wall_s']:.0f} | {overhead} | {r['run_wall_s']:.0f} |")
     result = {"config": args.config, "overrides": args.overrides, "runs": rows}
     if concurrent:
         alone = sum(r["run_wall_s"] for r in rows if r["run"] == f"alone-{r['variant']}")

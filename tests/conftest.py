@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,23 @@ from taps_ray.models.target import TargetModel
 REPO = Path(__file__).resolve().parents[1]
 
 
-@contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run with ``count`` torch intra-op threads; the previous count is restored after."""
+def pytest_configure(config):
+    """Ray never starts a cluster behind a test's back: a call that needs one before the ``ray_session``
+    fixture (or a test's own cluster) started it fails, instead of starting a default cluster that
+    ``ray_session`` would then join (2 CPUs, not 4). Read when Ray is imported, which no import above
+    does."""
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One torch intra-op thread in every test: the models are tiny, the suite runs one test per core
+    (``make test``: pytest-xdist), and OpenMP spin-waits between threads on a loaded CPU make every
+    small matmul many times slower. Session scope, so it is in force before any fixture decodes."""
     before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_llama_config(vocab_size: int = 256, hidden_size: int = 64, layers: int = 2) -> LlamaConfig:

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from taps_ray.config import TreeConfig
 from taps_ray.eval.bench import run_bench, write_report
 from taps_ray.models.drafter import DraftHead
-from tests.conftest import torch_threads
 from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
 
 
-@pytest.fixture
-def one_thread():
-    with torch_threads(1):
-        yield
-
-
-def test_bench_tiny_target(tmp_path, one_thread):
+def test_bench_tiny_target(tmp_path):
     target = peaky_tiny_target(0)
     prompts = [random_prompt(target, 12, seed) for seed in range(2)]
     report = run_bench(target, prompts, DraftHead(target.config, seed=1), TreeConfig(depth=2, top_k=3, total_tokens=8),
@@ -48,7 +39,7 @@ def test_bench_tiny_target(tmp_path, one_thread):
     assert written["exactness"]["divergences"] == [] and "## Exactness" in markdown
 
 
-def test_bench_sampling_reports_speed_and_tau_without_matching(one_thread):
+def test_bench_sampling_reports_speed_and_tau_without_matching():
     from taps_ray.config import SamplingConfig
 
     target = peaky_tiny_target(0)

@@ -16,7 +16,6 @@ from taps_ray.eval.records import RECORDS, RUN_FILE, read_records, record_key
 from taps_ray.eval.runner import run_eval
 from taps_ray.eval.worker import EvalWorker, Unit, conversation_ids
 from taps_ray.spec.decoder import generate
-from tests.conftest import torch_threads
 from tests.eval.eval_helpers import chat_tiny_target
 
 QUESTIONS = {
@@ -27,12 +26,6 @@ QUESTIONS = {
 FACTORY = partial(chat_tiny_target, 0)
 BASE = ["tree.depth=2", "tree.top_k=3", "tree.total_tokens=8", "tree.lookup_tokens=0", "eval.max_new_tokens=10", "eval.num_actors=0",
         "eval.benchmarks=[mt_bench, gsm8k]", "eval.temperatures=[0, 1]", "eval.drafters={math: 'random:0', chat: 'random:1'}"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    with torch_threads(1):
-        yield
 
 
 def config(*extra: str):

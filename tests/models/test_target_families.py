@@ -39,7 +39,6 @@ from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.tree import DrafterState, build_tree, draft_tree
 from taps_ray.spec.verify import compact_target, run_tree, verify_greedy
-from tests.conftest import torch_threads
 from tests.spec.spec_helpers import OracleStrategy, make_peaky, random_prompt, sharp_drafter
 
 WINDOW = 8
@@ -69,12 +68,6 @@ FAMILIES = {
 }
 SOFTCAP = {"gemma2", "gemma3"}
 TREE = TreeConfig(depth=3, top_k=3, total_tokens=10)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
 
 
 def family_model(family: str, seed: int = 0):

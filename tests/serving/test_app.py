@@ -41,20 +41,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def capture_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("capture")
 
 
 @pytest.fixture(scope="module")
-def served(ray_session, one_thread, embedded_target, capture_dir):
+def served(ray_session, embedded_target, capture_dir):
     """The application on a free port, and (computed while it starts) the in-process reference per
     prompt: greedy decoding with the same fresh drafter (seed 0) as drafter ``a``. Capture is on (one
     shard per request, into ``capture_dir``)."""

@@ -38,7 +38,6 @@ NEW = 20
 
 @pytest.fixture(scope="module")
 def target():
-    torch.set_num_threads(1)
     target = bigram_target(0)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -115,7 +115,6 @@ class Handle:
 
 @pytest.fixture(scope="module")
 def target():
-    torch.set_num_threads(1)
     target = bigram_target(0)
     target.tokenizer = ToyTokenizer()
     return target

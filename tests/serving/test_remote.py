@@ -29,14 +29,6 @@ TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
 NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def bigram():
     return bigram_target(0)

@@ -17,18 +17,11 @@ from taps_ray.train.losses import (
     smooth_l1,
 )
 from taps_ray.train.metrics import simulated_tau, unrolled_accuracy, unrolled_counts
-from tests.conftest import make_tiny_target, torch_threads
+from tests.conftest import make_tiny_target
 
 T = 20
 LENGTHS = (20, 15, 11)
 SPANS = (((5, 17),), ((3, 8), (10, 15)), ((2, 9),))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models gain nothing from intra-op threads, and they stall on a shared, loaded CPU."""
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")
