@@ -91,13 +91,17 @@ def ray_session():
 
 
 SLOW_FIXTURES = {"embedded_target", "ray_session"}
+RAY_FIXTURES = {"ray_session"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``slow`` every test that loads the embedded model or starts Ray (by fixture or by the
-    ``integration`` marker); tests that take long otherwise carry ``@pytest.mark.slow`` themselves.
-    ``make test-fast`` runs the rest, the pure unit tier."""
-    slow = pytest.mark.slow
+    """Mark ``ray`` every test that joins the session's Ray cluster (tests that start their own carry
+    ``@pytest.mark.ray`` themselves), and ``slow`` every test that loads the embedded model or uses Ray
+    (by fixture or by the ``integration`` or ``ray`` marker); tests that take long otherwise carry
+    ``@pytest.mark.slow`` themselves. ``make test-fast`` runs the rest, the pure unit tier."""
     for item in items:
-        if item.get_closest_marker("integration") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(slow)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if RAY_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("integration") or item.get_closest_marker("ray") or SLOW_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.slow)

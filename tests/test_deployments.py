@@ -199,7 +199,7 @@ def test_serve_configs_validate():
 
 
 def test_rayjob_retries_with_resume_and_a_fresh_run_accepts_it(tmp_path):
-    from taps_ray.train.launch import _prepare_outputs
+    from taps_ray.train.launch import prepare_outputs
 
     job = rayjob()
     spec = job["spec"]
@@ -213,7 +213,7 @@ def test_rayjob_retries_with_resume_and_a_fresh_run_accepts_it(tmp_path):
     cfg = load_config(REPO / args.config, args.overrides)
     variants = [v for v in cfg.variants if v.name in args.variants.split(",")]
     assert len(variants) == len(args.variants.split(","))
-    fresh = _prepare_outputs(cfg, tmp_path, variants, "resume")
+    fresh = prepare_outputs(cfg, tmp_path, variants, "resume")
     assert [v.name for v in fresh] == [v.name for v in variants]
     assert all((tmp_path / "drafters" / v.name / "variant.json").exists() for v in variants)
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def run_scenario(name: str, tmp_path, timeout_s: float) -> dict:

@@ -123,7 +123,7 @@ def variant_record(cfg: ExperimentConfig, variant: VariantConfig) -> dict:
             "target": cfg.target.model, "max_len": cfg.data.features.max_len}
 
 
-def _prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[VariantConfig], mode: Mode
+def prepare_outputs(cfg: ExperimentConfig, run_dir: Path, variants: list[VariantConfig], mode: Mode
                      ) -> list[VariantConfig]:
     """Apply ``mode`` to existing variant outputs; return the variants left to train."""
     existing = [v for v in variants if (run_dir / "drafters" / v.name).exists() or (run_dir / "ray" / v.name).exists()]
@@ -219,7 +219,7 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
         raise TrainLaunchError(str(err)) from None
     init_vocab = init_vocabularies(cfg, variants, target.config, target.fingerprint)
     plans = plan_variants(cfg, variants, sets, target.vocab_size, target.eos_token_ids, init_vocab)
-    todo = {v.name for v in _prepare_outputs(cfg, run_dir, variants, mode)}
+    todo = {v.name for v in prepare_outputs(cfg, run_dir, variants, mode)}
     plans = [p for p in plans if p.variant.name in todo]
     if not plans:
         print("taps train: all selected variants are already trained", flush=True)

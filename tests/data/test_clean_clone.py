@@ -27,6 +27,7 @@ def _small_alternatives(config: Path, dataset: str) -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.ray
 def test_taps_prepare_in_a_clean_clone(tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a git checkout of the repo")

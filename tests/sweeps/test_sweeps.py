@@ -73,15 +73,40 @@ def trial_results(summary, trial_id: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _tokens_per_step(target, cfg, drafter_dir: str) -> dict[str, float]:
+    """Per domain: tokens the verification steps generated over those steps, when the drafter at
+    ``drafter_dir`` decodes the sweep's held-out prompts greedily in this process, counted from the
+    outputs (not the step records); each output's first token comes from the prefill, not a step."""
+    import torch
+
+    from taps_ray.config import TreeConfig
+    from taps_ray.data.feature_sets import load_feature_sets
+    from taps_ray.spec.compose import build_strategy
+    from taps_ray.spec.decoder import generate
+    from taps_ray.sweeps.context import resolve_prompts
+
+    spec = parse_spec(MIXTURE)
+    sets = load_feature_sets(cfg, target.fingerprint.to_dict(), {"math", "chat"})
+    prompts = resolve_prompts(spec, cfg, target, sets, cfg.train.heldout_rows, cfg.train.heldout_seed)
+    head = DraftHead.load(drafter_dir, target.config, target.fingerprint)
+    strategy = build_strategy("single", [head], TreeConfig(**EVAL["tree"]))
+    rates = {}
+    for domain, items in prompts.items():
+        outputs = [generate(target, torch.tensor(ids), strategy, None, EVAL["max_new_tokens"]) for ids in items]
+        rates[domain] = sum(len(o.token_ids) - 1 for o in outputs) / sum(len(o.steps) for o in outputs)
+    return rates
+
+
 def test_mixture_sweep_trains_evaluates_and_picks_the_best(mixture, experiment, ray_session):
-    _, _, target = experiment
+    _, path, target = experiment
     rows = {r.config["ratio"]: r for r in mixture.rows}
     assert sorted(rows) == [0.0, 1.0] and {r.status for r in rows.values()} <= {"ok", "stopped"}
     ok = [r for r in rows.values() if r.status == "ok"]
     assert ok, "at least the first trial to reach a rung survives ASHA"
     for r in ok:
         taus = [r.metrics[f"tau/{d}"] for d in ("math", "chat")]
-        assert all(1.0 <= t <= EVAL["tree"]["depth"] + 2 for t in taus)
+        expected = _tokens_per_step(target, load_config(path), r.metrics["drafter"])
+        assert taus == pytest.approx([expected["math"], expected["chat"]], rel=1e-9)
         assert r.objective == pytest.approx(sum(taus) / 2) and r.metrics["steps"] == 6 and r.attempts == 1
         assert r.metrics["mixture"] == ("chat:12" if r.config["ratio"] == 0.0 else "math:12")
         head = DraftHead.load(r.metrics["drafter"], target.config, target.fingerprint)

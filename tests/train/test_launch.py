@@ -73,7 +73,7 @@ def _records(cfg, variant):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.integration
+@pytest.mark.ray
 def test_ray_job_submit_trains_the_variants(trained):
     """``ray job submit --working-dir . -- taps train CONFIG`` against a private head node succeeds and
     prints the summary table."""
@@ -82,7 +82,7 @@ def test_ray_job_submit_trains_the_variants(trained):
     assert statuses == ["SUCCEEDED"]
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_variants_train_concurrently_into_loadable_drafters(trained):
     cfg, target, summary, _, _ = trained
     assert [(r["variant"], r["status"], r["steps"]) for r in summary["variants"]] == [("a", "ok", STEPS),
@@ -101,7 +101,7 @@ def test_variants_train_concurrently_into_loadable_drafters(trained):
     assert alive["a"][0] < alive["b"][1] and alive["b"][0] < alive["a"][1], f"workers never ran together: {alive}"
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_drafters_record_the_prompts_of_the_feature_sets_they_drew_from(trained):
     cfg, _, _, _, _ = trained
     math = {prompt_hash(f"math question {i}") for i in range(36)}
@@ -124,7 +124,7 @@ def test_trained_prompts_union_skips_empty_and_unrecorded_sets(tmp_path, caplog)
     assert "features of 'code'" in caplog.text and "record no prompts" in caplog.text
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_injected_failure_resumes_from_last_checkpoint_without_retraining(trained):
     cfg, _, _, _, _ = trained
     meta = {n: json.loads((cfg.run_dir / "drafters" / n / "config.json").read_text()) for n in ("a", "b")}
@@ -139,7 +139,7 @@ def test_injected_failure_resumes_from_last_checkpoint_without_retraining(traine
     assert not (cfg.run_dir / "drafters" / "b" / ".injected_failure.rank0").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_existing_run_is_refused_unless_resumed(trained, experiment, capsys):
     cfg, target, _, _, _ = trained
     weights = cfg.run_dir / "drafters" / "a" / "model.safetensors"

@@ -41,7 +41,14 @@ def test_group_of_a_killed_controller_is_removed_and_a_live_one_is_kept(ray_sess
     assert _state(alive_group) == "CREATED"
     ray.get(alive_reaper.stop.remote())
     ray.kill(alive)
-    time.sleep(1.0)
+    deadline = time.time() + 30
+    while True:  # the stopped reaper exits at its next ping, whatever it finds
+        try:
+            ray.get(alive_reaper.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.time() < deadline, "a stopped reaper never exited"
+        time.sleep(0.1)
     assert _state(alive_group) == "CREATED", "a stopped reaper leaves removal to the controller"
     ray.util.remove_placement_group(alive_group)
 
