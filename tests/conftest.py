@@ -91,6 +91,10 @@ def ray_session():
 
 
 SLOW_FIXTURES = {"embedded_target", "ray_session"}
+LONGEST_FIRST = ("serving/test_app.py", "test_crash_resume.py", "train/test_launch.py", "sweeps/test_sweeps.py",
+                 "test_multinode.py", "spec/test_embedded.py", "serving/test_load.py", "serving/test_metrics_export.py")
+"""The modules that take longest (a minute or more each, docs/BENCHMARKS.md): collected first, so that
+``make test``'s processes start on them and the short modules fill the end."""
 RAY_FIXTURES = {"ray_session"}
 
 
@@ -98,7 +102,13 @@ def pytest_collection_modifyitems(config, items):
     """Mark ``ray`` every test that joins the session's Ray cluster (tests that start their own carry
     ``@pytest.mark.ray`` themselves), and ``slow`` every test that loads the embedded model or uses Ray
     (by fixture or by the ``integration`` or ``ray`` marker); tests that take long otherwise carry
-    ``@pytest.mark.slow`` themselves. ``make test-fast`` runs the rest, the pure unit tier."""
+    ``@pytest.mark.slow`` themselves. ``make test-fast`` runs the rest, the pure unit tier. The
+    :data:`LONGEST_FIRST` modules come first, each in its own order."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if RAY_FIXTURES & fixtures:
