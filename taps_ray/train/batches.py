@@ -1,8 +1,9 @@
 """A training worker's batches: its slice's rows (:mod:`taps_ray.train.shards`; the same sequence
 after a restart) each epoch in a seeded order, the padded batches, the held-out rows.
 
-Each epoch the slice is read once (or replayed from memory with ``cache_rows``) and shuffled in windows of ``shuffle_buffer`` rows by a
-generator seeded with (seed, epoch, rank) (:func:`epoch_batches`). Every worker runs
+Each epoch the slice is read once (or replayed from memory with ``cache_rows``) and shuffled in
+windows of ``shuffle_buffer`` rows by a generator seeded with (seed, epoch, rank)
+(:func:`epoch_batches`). Every worker runs
 ``ceil((train_rows // world) / batch_size)`` steps per epoch (:func:`steps_per_epoch`).
 """
 

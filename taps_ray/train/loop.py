@@ -13,8 +13,9 @@ the target's frozen tensors), ``draft_to_target`` (list of target ids or None), 
 ``trained_prompts`` (optional: written as the drafter's ``trained_prompts.json``).
 
 Data (:mod:`taps_ray.train.shards`, :mod:`taps_ray.train.batches`): each worker reads its slice of
-the training rows from their Parquet files once per epoch (or once, ``cache_rows``), in a seeded order, and runs the same number of steps per epoch. Each rank evaluates every
-``world``-th held-out batch and the sums are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
+the training rows from their Parquet files once per epoch (or once, ``cache_rows``), in a seeded
+order, and runs the same number of steps per epoch. Each rank evaluates every ``world``-th
+held-out batch and the sums are all-reduced. The input-feature noise of a step is drawn from a generator seeded with (seed, rank,
 step), so it needs no saved state and a resumed run draws exactly what an uninterrupted one would.
 
 Checkpoints (rank 0; every ``checkpoint_every`` steps and at each epoch end, after the held-out
