@@ -296,7 +296,7 @@ def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], 
 class TrainingOverrides(Strict):
     """Overrides of the experiment's ``objective`` and ``train`` sections for one drafter (a variant, a
     sweep's trials), checked against those sections as the config loads; subclasses declare
-    ``algorithm`` and say who they are in errors (:meth:`_owner`)."""
+    ``algorithm`` and name themselves in errors (:meth:`_owner`)."""
 
     objective: dict[str, Any] = Field(default_factory=dict, description=(
         "overrides of objective keys (ObjectiveConfig, not algorithm)"))
@@ -304,7 +304,8 @@ class TrainingOverrides(Strict):
         "overrides of keys of the experiment's train section"))
 
     def _owner(self) -> str:
-        raise NotImplementedError
+        """Whose overrides these are, as an error names them."""
+        return "overrides"
 
     @model_validator(mode="after")
     def _overrides(self) -> TrainingOverrides:
