@@ -19,8 +19,14 @@ def pytest_configure(config):
     """Ray never starts a cluster behind a test's back: a call that needs one before the ``ray_session``
     fixture (or a test's own cluster) started it fails, instead of starting a default cluster that
     ``ray_session`` would then join (2 CPUs, not 4). Read when Ray is imported, which no import above
-    does."""
+    does.
+
+    Serve's routers wait up to 1 s (Ray's default: 0.1 s) for a replica's queue length before passing it
+    over: with both cores busy an idle replica can miss 0.1 s on every probe, and a router then sends
+    everything to the replica it already knows (``test_metrics_export`` saw 24 of 24 requests go to one
+    of two ingress replicas). Every process of the tests' clusters inherits it."""
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
 
 
 @pytest.fixture(scope="session", autouse=True)

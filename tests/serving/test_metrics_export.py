@@ -81,7 +81,7 @@ def _chat(server: str, prompt: str) -> dict:
 def test_two_ingress_replicas_export_one_monotonic_series_whose_mean_acceptance_length_is_tau(server):
     replies, snapshots = [], [_scrape()]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        for _ in range(4):  # until both replicas have answered (the proxy picks one per request)
+        for _ in range(8):  # until both replicas have answered (the proxy picks one per request)
             replies += pool.map(lambda p: _chat(server, p), PROMPTS)
             snapshots.append(_exported(len(replies)))
             if len(snapshots) > 2 and len(_replicas(snapshots[-1])) == 2:
