@@ -37,7 +37,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative",
               drafting.add_bench, drafting.run_bench),
     "train": ("train drafter variants concurrently with Ray Train", study.add_train, study.run_train),
-    "adapt": ("fine-tune a drafter on captured serving traffic mixed with its original data (a new version)",
+    "adapt": ("fine-tune a drafter on captured serving traffic mixed with its original data (a new version); "
+              "--watch: adapt and promote continuously beside taps serve",
               study.add_adapt, study.run_adapt),
     "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)",
               drafting.add_serve, drafting.run_serve),

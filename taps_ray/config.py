@@ -538,7 +538,8 @@ class EvalConfig(Strict):
 
 
 class AdaptConfig(Strict):
-    """``taps adapt``: fine-tune a drafter on captured serving traffic mixed with its original datasets."""
+    """``taps adapt``: fine-tune a drafter on captured serving traffic mixed with its original datasets;
+    with ``--watch``, the capture -> adapt -> gated promotion loop beside a running ``taps serve``."""
 
     traffic_share: float = Field(default=0.5, ge=0.0, le=1.0, description=(
         "share of the training rows taken from the traffic (the rest split evenly over the drafter's original "
@@ -546,6 +547,18 @@ class AdaptConfig(Strict):
         "sweep's ratio of datasets [traffic, ORIGINAL] with train.init_from"))
     rows: int | None = Field(default=None, ge=1, description=(
         "training rows in all (None: as many as the traffic and original pools allow at traffic_share)"))
+    drafter: str | None = Field(default=None, description=(
+        "taps adapt --watch: the serve.drafters drafter it adapts and promotes into (None: the first plain one)"))
+    every: int = Field(default=128, ge=1, description=(
+        "taps adapt --watch: newly captured requests between two adaptations"))
+    margin: float = Field(default=0.05, ge=0.0, description=(
+        "promotion gate: the largest held-out tau loss on any original domain a new version may have"))
+    min_gain: float = Field(default=0.0, ge=0.0, description=(
+        "promotion gate: the held-out traffic tau gain a new version must exceed"))
+    poll_s: float = Field(default=10.0, gt=0, allow_inf_nan=False, description=(
+        "taps adapt --watch: seconds between looks at the capture folder (and re-applying a promotion to new replicas)"))
+    rounds: int | None = Field(default=None, ge=1, description=(
+        "taps adapt --watch: adaptations before it stops (None: until Ctrl-C)"))
 
 
 class ExperimentConfig(Strict):

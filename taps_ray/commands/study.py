@@ -66,28 +66,68 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_adapt(parser: argparse.ArgumentParser) -> None:
     config_args(parser)
-    parser.add_argument("--traffic", required=True, metavar="DIR",
-                        help="a serving capture folder (serve.capture.dir) of this config's target")
-    parser.add_argument("--drafter", required=True, metavar="SRC",
-                        help="drafter folder or release:NAME to fine-tune (with --new: the baseline of the tau)")
+    parser.add_argument("--traffic", default=None, metavar="DIR",
+                        help="a serving capture folder (serve.capture.dir) of this config's target (with --watch: "
+                             "default serve.capture's folder)")
+    parser.add_argument("--drafter", default=None, metavar="SRC",
+                        help="drafter folder or release:NAME to fine-tune (with --new: the baseline of the tau); with "
+                             "--watch: the serve.drafters name to adapt and promote into (default adapt.drafter)")
     parser.add_argument("--traffic-share", type=float, default=None, metavar="SHARE",
                         help="share of training rows from the traffic, in [0, 1] (default: adapt.traffic_share)")
     parser.add_argument("--new", action="store_true", help="train a new specialist on the traffic only")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="also copy the new version there (default: <run folder>/drafters/adapt-vN only)")
+    parser.add_argument("--watch", action="store_true",
+                        help="beside a running taps serve (RAY_ADDRESS, or as a Ray job): every adapt.every captured "
+                             "requests adapt the serving version, promote it if it passes the gate (adapt.margin, "
+                             "adapt.min_gain), log it to <run folder>/adapt/promotions.jsonl; until Ctrl-C or "
+                             "adapt.rounds")
     parser.add_argument("--json", action="store_true", help="print the version's adapt record as JSON")
 
 
 def run_adapt(args: argparse.Namespace) -> int:
+    from taps_ray.serving.promote import PromotionError
     from taps_ray.train.adapt import run_adapt as adapt
 
-    result = adapt(load_experiment(args), args.traffic, args.drafter, args.traffic_share, args.new, args.out)
+    cfg = load_experiment(args)
+    if args.watch:
+        if args.new or args.out or args.traffic_share is not None:
+            raise UserError("--watch fine-tunes the serving version at adapt.traffic_share into the run folder; "
+                            "--new, --out and --traffic-share do not apply (set adapt.traffic_share)")
+        return _watch(cfg, args)
+    if args.traffic is None or args.drafter is None:
+        raise UserError("--traffic DIR and --drafter SRC are required (or --watch beside a running taps serve)")
+    try:
+        result = adapt(cfg, args.traffic, args.drafter, args.traffic_share, args.new, args.out)
+    except PromotionError as err:
+        raise UserError(str(err)) from None
     if args.json:
         print(json.dumps({"out": str(result.out), "version": result.version, **result.record}, indent=1))
     else:
         print(f"version {result.version} -> {result.out} ({result.record['traffic_rows']} traffic rows)")
         for name, tau in result.record["tau"].items():
             print(f"  tau {name}: {tau['before']:.3f} -> {tau['after']:.3f}")
+    return 0
+
+
+def _watch(cfg, args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from taps_ray.serving.promote import PromotionError
+    from taps_ray.train.watch import watch
+
+    try:
+        done = watch(cfg, args.traffic, args.drafter)
+    except KeyboardInterrupt:
+        return 0
+    except PromotionError as err:
+        raise UserError(str(err)) from None
+    for entry in done:
+        if args.json:
+            print(json.dumps(asdict(entry)))
+        else:
+            verdict = "promoted" if entry.promoted else "kept aside"
+            print(f"version {entry.version} ({entry.checkpoint}): {verdict}: {entry.reason}")
     return 0
 
 

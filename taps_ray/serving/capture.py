@@ -203,6 +203,18 @@ class CaptureWriter:
         write_json(self.folder / MANIFEST, manifest)
 
 
+def captured_requests(folder: str | Path) -> tuple[int, int]:
+    """``(captured, kept)`` of a capture folder: requests written to it since it was started (the
+    manifest's ``next_row_id``) and rows it keeps now; ``(0, 0)`` before its first shard."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        return 0, 0
+    manifest = json.loads(path.read_text())
+    if manifest.get("origin") != ORIGIN:
+        raise ValueError(f"capture: {folder} holds a feature set that serving did not capture")
+    return int(manifest["capture"]["next_row_id"]), int(manifest["rows"])
+
+
 def _shard_bytes(rows: list[dict], first_row_id: int) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq

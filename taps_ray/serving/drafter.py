@@ -182,6 +182,12 @@ def build_drafter(target: TargetModel, spec: dict, name: str = "drafter") -> Dra
     return load_drafter(target, checkpoint, spec.get("seed", 0))
 
 
+def drafter_version(drafter: DraftHead) -> int:
+    """The version ``taps adapt`` recorded in the drafter's ``config.json`` (0: not an adapted version)."""
+    version = drafter.metadata.get("version")
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
+
+
 class Drafter:
     """Ray Serve deployment body for one drafter checkpoint (see :mod:`taps_ray.serving.app`).
 
@@ -207,6 +213,7 @@ class Drafter:
         self.ttl_s = ttl_s
         self.sessions: DraftSessions | None = None
         self.spec: dict | None = None
+        self.version = 0
         self.fault: str | None = None
         self.delay_s = 0.0
 
@@ -218,8 +225,9 @@ class Drafter:
                 self.sessions = DraftSessions(self.target, drafter, self.tree, self.ttl_s, self.compute)
             else:
                 self.sessions.swap(drafter)
-            self.spec = spec
-            log.info("drafter %s: now serving %s (running sessions keep their drafter)", self.name, spec)
+            self.spec, self.version = spec, drafter_version(drafter)
+            log.info("drafter %s: now serving %s, version %d (running sessions keep their drafter)", self.name,
+                     spec, self.version)
         self.fault = user_config.get("fault")
         self.delay_s = float(user_config.get("delay_s") or 0.0)
 
@@ -250,11 +258,11 @@ class Drafter:
 
     def stats(self) -> dict:
         """This replica's name, actor name, pid, Ray node id (``node_id``, hex), live / opened sessions, resend
-        requests, weights spec and resident memory."""
+        requests, weights spec, drafter version and resident memory."""
         self.sessions.reap()
         return {"name": self.name, "replica": _replica_actor_name(), "pid": os.getpid(), "node_id": node_id(),
                 "sessions": len(self.sessions), "opened": self.sessions.opened, "resends": self.sessions.resends,
-                "spec": self.spec, "rss_bytes": rss_bytes()}
+                "spec": self.spec, "version": self.version, "rss_bytes": rss_bytes()}
 
 
 def _replica_actor_name() -> str | None:

@@ -14,6 +14,9 @@ Load shedding: requests wait for a verifier slot in Serve's queue of at most
 429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
 included (504 when it runs out before decoding starts). ``/health`` answers from the ingress alone;
 ``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
+``/v1/models`` and ``/metrics`` (``taps_drafter_version``) show the drafter version each drafter's replicas
+serve, asked of the replicas (at most every :data:`DRAFTERS_CACHE_S`), so a promotion
+(:mod:`taps_ray.serving.promote`) shows there as soon as it is done.
 
 Errors leak nothing: every error body carries the request id; 5xx bodies say only that something
 failed, and the details (exception, traceback) go to the server log under that id.
@@ -55,6 +58,8 @@ READY_CACHE_S = 1.0
 """How long ``/ready`` reuses the controller's answer (probes from many balancers cost one call)."""
 READY_TIMEOUT_S = 10.0
 """How long ``/ready`` waits for the controller before it says ``not_ready``."""
+DRAFTERS_CACHE_S = 2.0
+"""How long ``/v1/models`` and ``/metrics`` reuse the drafter replicas' versions."""
 
 
 def _failed(status: int) -> None:
@@ -111,6 +116,20 @@ def public_checkpoint(checkpoint: str | None) -> str | None:
     return "local"
 
 
+def served_versions(stats: list[dict]) -> dict:
+    """What ``/v1/models`` shows of the drafter a deployment's replicas serve (their ``stats``):
+    ``version`` and ``checkpoint`` of most replicas, and ``replicas`` per version."""
+    counts: dict[int, int] = {}
+    for replica in stats:
+        counts[replica["version"]] = counts.get(replica["version"], 0) + 1
+    if not counts:
+        return {"version": None, "replicas": {}}
+    version = max(counts, key=lambda v: (counts[v], v))
+    checkpoint = next(r["spec"].get("checkpoint") for r in stats if r["version"] == version)
+    return {"version": version, "checkpoint": public_checkpoint(checkpoint),
+            "replicas": {str(v): n for v, n in sorted(counts.items())}}
+
+
 def _cancel(events) -> None:
     """Cancel a verifier call (best effort). ``cancel()`` re-raises a failed assignment's error (a full
     queue, say): that call is over already, so the error is moot here."""
@@ -152,6 +171,7 @@ class Ingress:
         self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.metrics_names))
         self.created = protocol.now()
         self._ready: tuple[float, dict] | None = None
+        self._drafters: tuple[float, dict[str, list[dict]]] | None = None
         self._controller = None
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
 
@@ -165,8 +185,11 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self):
+        serving = await self.drafter_replicas()
         drafters = {name: ({"average_of": d.average_of, "alpha": d.alpha} if d.average_of else
                            {"checkpoint": public_checkpoint(d.checkpoint)}) for name, d in self.cfg.drafters.items()}
+        for name, stats in serving.items():
+            drafters[name].update(served_versions(stats))
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "taps_ray",
             "taps": {"default_strategy": self.cfg.strategy, "drafters": drafters},
@@ -209,8 +232,31 @@ class Ingress:
         return {name: sum(getattr(r["state"], "value", r["state"]) == "RUNNING" for r in d.get("replicas", ()))
                 for name, d in (application.get("deployments") or {}).items()}
 
+    async def drafter_replicas(self) -> dict[str, list[dict]]:
+        """Drafter name -> its replicas' ``stats`` (``[]`` for a drafter that does not answer within
+        :data:`READY_TIMEOUT_S`); reused for :data:`DRAFTERS_CACHE_S`."""
+        now = time.monotonic()
+        if self._drafters is None or now - self._drafters[0] > DRAFTERS_CACHE_S:
+            app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
+            names = list(self.cfg.drafters)
+            replies = await asyncio.gather(*(self._drafter_stats(app_name, n) for n in names))
+            self._drafters = (now, dict(zip(names, replies)))
+            self.metrics.serving_versions({n: {v: sum(r["version"] == v for r in stats)
+                                               for v in {r["version"] for r in stats}}
+                                           for n, stats in self._drafters[1].items()})
+        return self._drafters[1]
+
+    async def _drafter_stats(self, app_name: str, name: str) -> list[dict]:
+        try:
+            handle = serve.get_deployment_handle(drafter_deployment_name(name), app_name)
+            return await handle.broadcast("stats").results_async(timeout_s=READY_TIMEOUT_S)
+        except Exception as err:
+            log.warning("drafter %s: no stats from its replicas: %r", name, err)
+            return []
+
     @app.get("/metrics")
     async def metrics(self):
+        await self.drafter_replicas()
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def _serve(self, http: Request, body, prompt, prompt_param: str, chat: bool):

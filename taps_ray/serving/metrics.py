@@ -106,6 +106,9 @@ SERIES = {s.name: s for s in (
            attribute="route_decisions"),
     Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason"),
            attribute="drafter_skips"),
+    Series("gauge", "taps_drafter_version", "Drafter replicas serving each drafter version (taps adapt's version; "
+           "0: the configured checkpoint); a promotion moves them to the new version", ("drafter", "version"),
+           attribute="drafter_versions"),
     Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",),
            attribute="strategy_requests"),
     Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS,
@@ -176,6 +179,15 @@ class _Child:
             page.dec(amount)
         self._set_ray(-amount)
 
+    def set(self, value: float) -> None:
+        """A gauge's value."""
+        for page in self.pages:
+            page.set(value)
+        with self.family.lock:
+            self.family.values[self.values] = value
+        for metric in self.family.rays:
+            metric.set(value, tags=self.tags)
+
     def observe(self, value: float, times: int = 1) -> None:
         """Observe ``value`` ``times`` times."""
         for _ in range(times):
@@ -238,6 +250,19 @@ class ServingMetrics:
 
     def failed(self, status: int) -> None:
         self.failure.labels(self.model, str(status)).inc()
+
+    def serving_versions(self, replicas: dict[str, dict[int, int]]) -> None:
+        """``taps_drafter_version``: drafter -> version -> replicas serving it; a version no replica of a
+        drafter serves any more drops to 0."""
+        family = self.drafter_versions
+        with family.lock:
+            seen = [k[1:] for k in family.values if k[0] == self.model]
+        for drafter, version in seen:
+            if str(version) not in {str(v) for v in replicas.get(drafter, {})}:
+                family.labels(self.model, drafter, version).set(0)
+        for drafter, versions in replicas.items():
+            for version, count in versions.items():
+                family.labels(self.model, drafter, str(version)).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from ray import serve
 from taps_ray.config import TreeConfig, load_config
 from taps_ray.data.feature_sets import MANIFEST, open_feature_set
 from taps_ray.serving.app import drafter_deployment_name
+from taps_ray.serving.promote import ServedDrafter
 from taps_ray.spec.decoder import generate, load_drafter
 from taps_ray.spec.protocol import SingleStrategy
 from tests.serving.helpers import metric as _metric
@@ -312,6 +313,54 @@ def test_checkpoint_swap_in_flight_keeps_running_requests(client, reference):
         assert after.choices[0].message.content == reference[prompt].text and not after.model_extra["taps"]["skipped"]
     finally:
         a.broadcast("reconfigure", {"checkpoint": None, "seed": 0}).results(timeout_s=30)
+
+
+def _served_versions(server: str, client) -> tuple[dict, dict]:
+    """``/v1/models``' drafters and ``/metrics``' ``taps_drafter_version`` samples ((drafter, version) -> value)."""
+    drafters = client.models.list().data[0].model_extra["taps"]["drafters"]
+    page = requests.get(f"{server}/metrics", timeout=30).text
+    samples = {}
+    for line in page.splitlines():
+        if line.startswith("taps_drafter_version{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            samples[labels["drafter"].strip('"'), labels["version"].strip('"')] = float(line.rsplit(" ", 1)[1])
+    return drafters, samples
+
+
+def _until(check, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def test_a_promoted_version_serves_new_requests_and_shows_in_models_and_metrics(server, client, reference,
+                                                                                 embedded_target, tmp_path):
+    folder = tmp_path / "adapt-v7"
+    load_drafter(embedded_target, None, 5).save(folder, embedded_target.fingerprint, extra={"version": 7})
+    cfg = load_config(None, [f"serve.app_name={APP}", "serve.drafters={a: {seed: 0}, b: {seed: 1}}"])
+    promoted = ServedDrafter(cfg, "a")
+    assert promoted.serving() is None and promoted.reconcile() == 0  # nothing promoted yet: nothing to move
+    try:
+        stats = promoted.swap(str(folder))
+        assert [(r["version"], r["spec"]["checkpoint"]) for r in stats] == [(7, str(folder))]
+        drafters, samples = _until(lambda: (v := _served_versions(server, client))[0]["a"]["version"] == 7 and v)
+        assert drafters["a"] == {"checkpoint": "local", "version": 7, "replicas": {"7": 1}}
+        assert drafters["b"] == {"checkpoint": None, "version": 0, "replicas": {"0": 1}}
+        assert samples[("a", "7")] == 1 and samples[("a", "0")] == 0 and samples[("b", "0")] == 1
+        after = _chat(client, PROMPTS[0], extra_body={"taps": {"strategy": "single:a"}})
+        assert after.choices[0].message.content == reference[PROMPTS[0]].text
+        assert after.model_extra["taps"]["drafted_steps"] == after.model_extra["taps"]["steps"]
+        # a replica Serve starts again begins from the deployment's user_config: reconcile moves it back
+        _drafter("a").broadcast("reconfigure", {"checkpoint": None, "seed": 0}).results(timeout_s=30)
+        assert promoted.serving() is None
+        assert promoted.reconcile() == 1 and promoted.serving() == str(folder) and promoted.reconcile() == 0
+    finally:
+        _drafter("a").broadcast("reconfigure", {"checkpoint": None, "seed": 0}).results(timeout_s=30)
+    _, samples = _until(lambda: (v := _served_versions(server, client))[1][("a", "0")] == 1 and v)
+    assert samples[("a", "7")] == 0 and samples[("a", "0")] == 1
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_sessions(server):

@@ -84,3 +84,19 @@ def test_names_through_ray_have_no_colon():
     metrics = ServingMetrics("m", "vllm")
     assert [r._name for r in metrics.drafts.rays] == ["taps_spec_decode_num_drafts", "vllm_spec_decode_num_drafts"]
     assert ray_name("vllm:inter_token_latency_seconds") == "vllm_inter_token_latency_seconds"
+
+
+def test_drafter_versions_count_replicas_per_version_and_a_version_no_replica_serves_drops_to_zero():
+    metrics = ServingMetrics("m")
+
+    def versions() -> dict[tuple[str, str], float]:
+        family = next(f for f in text_string_to_metric_families(metrics.render().decode())
+                      if f.name == "taps_drafter_version")
+        return {(s.labels["drafter"], s.labels["version"]): s.value for s in family.samples}
+
+    metrics.serving_versions({"math": {0: 2}, "chat": {0: 1}})
+    assert versions() == {("math", "0"): 2, ("chat", "0"): 1}
+    metrics.serving_versions({"math": {0: 1, 3: 1}, "chat": {0: 1}})  # a promotion half way through its replicas
+    assert versions() == {("math", "0"): 1, ("math", "3"): 1, ("chat", "0"): 1}
+    metrics.serving_versions({"math": {3: 2}, "chat": {}})  # chat's replicas did not answer
+    assert versions() == {("math", "0"): 0, ("math", "3"): 2, ("chat", "0"): 0}

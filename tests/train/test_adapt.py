@@ -7,6 +7,7 @@ folder>}`` dataset: the captured folder is trained on as it is. Bad inputs are o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,3 +141,77 @@ def test_the_adapt_sweep_spec_varies_the_traffic_share_of_a_fine_tuning(tmp_path
     trial_cfg, variant = trial_variant(spec, cfg, {"ratio": 0.25})
     assert trial_cfg.mixtures[variant.mixture].ratio == {TRAFFIC: 0.25, "math": 0.75}
     assert trial_cfg.variant_train(variant).init_from == "release:math"
+
+
+class InProcessDrafter:
+    """A :class:`~taps_ray.train.watch.PromotionTarget` over the in-process verifier's drafter ``a``: a swap
+    loads the checkpoint into its drafting sessions, as a Drafter replica's ``reconfigure`` does."""
+
+    def __init__(self, verifier, target, checkpoint: str):
+        self.sessions, self.target = verifier.clients["a"].replicas[0], target
+        self.checkpoint, self.promoted, self.swaps = checkpoint, None, []
+
+    def serving(self) -> str:
+        return self.checkpoint
+
+    def swap(self, checkpoint: str) -> None:
+        self.sessions.swap(DraftHead.load(checkpoint, self.target.config, self.target.fingerprint))
+        self.checkpoint = self.promoted = checkpoint
+        self.swaps.append(checkpoint)
+
+    def reconcile(self) -> int:
+        if self.promoted is None or self.checkpoint == self.promoted:
+            return 0
+        self.swap(self.promoted)
+        return 1
+
+
+def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_gate_and_resumes_from_its_log(
+        setup, ray_session, monkeypatch):
+    """Round 1 (26 captured, every 20): the serving source is fine-tuned and promoted (its traffic tau
+    rises; the margin is wide). 20 more requests are served with it, their outputs unchanged. A restarted
+    loop serves the promoted version again (a replica restarted from the configured checkpoint is moved back),
+    and round 2, from that version, is kept aside by a gain it cannot reach; with no new requests no round
+    is due."""
+    from taps_ray.serving.capture import captured_requests
+    from taps_ray.serving.promote import PromotionLog
+    from taps_ray.train.watch import PROMOTION_FILE, Watch
+
+    path, target, source, traffic, tmp = setup
+    monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
+    loop = ["adapt.every=20", "adapt.rounds=1", "adapt.poll_s=0.01", "train.epochs=3", "train.lr=3e-3"]
+    cfg = load_config(path, [*loop, "adapt.margin=100"])
+    verifier = make_verifier(target, {"a": oracle_drafter(target)}, CaptureConfig(
+        enabled=True, dir=str(traffic), rows_per_shard=10))
+    served = InProcessDrafter(verifier, target, str(source))
+    assert captured_requests(traffic) == (CAPTURED, CAPTURED)
+
+    first = Watch(cfg, "a", served, traffic, target=target).run()
+    assert len(first) == 1 and first[0].captured == CAPTURED and first[0].parent == str(source)
+    gain = first[0].tau[TRAFFIC]["after"] - first[0].tau[TRAFFIC]["before"]
+    assert gain > 0.05, first[0].tau
+    assert first[0].promoted and served.swaps == [first[0].checkpoint]
+    promoted = first[0].checkpoint
+    assert json.loads((Path(promoted) / PROMOTION_FILE).read_text())["reason"] == first[0].reason
+
+    prompts = [torch.randint(2, VOCAB, (7,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+               for i in range(20)]
+    plain = make_verifier(target, {"a": oracle_drafter(target)}, None)  # the drafter of before the promotion
+    expected = [(d["text"], d["usage"]) for d in (decode(plain, p) for p in prompts[:4])]
+    served_now = [decode(verifier, prompt) for prompt in prompts]
+    assert [(d["text"], d["usage"]) for d in served_now[:4]] == expected
+    verifier.capture.flush()
+    assert captured_requests(traffic)[0] == CAPTURED + 20
+    plain.pool.shutdown()
+
+    served.checkpoint = str(source)  # the replica came back from its configured checkpoint
+    restarted = Watch(load_config(path, [*loop, "adapt.min_gain=1000"]), "a", served, traffic, target=target)
+    assert served.promoted == promoted and restarted.baseline == CAPTURED
+    second = restarted.run()
+    assert served.checkpoint == promoted and served.swaps == [promoted, promoted]
+    assert len(second) == 1 and second[0].parent == promoted and not second[0].promoted
+    assert "is not above +1000.000" in second[0].reason and second[0].captured == CAPTURED + 20
+    assert [e["version"] for e in PromotionLog(cfg.run_dir).entries()] == [first[0].version, second[0].version]
+    assert PromotionLog(cfg.run_dir).last_promoted("a") == promoted
+    assert restarted.due() is None
+    verifier.pool.shutdown()

@@ -1,0 +1,154 @@
+"""``taps adapt --watch``: capture -> adapt -> gated promotion, continuously, beside a running ``taps serve``.
+
+The loop joins the serving cluster (``RAY_ADDRESS``, as a Ray job does) and follows one drafter
+(``adapt.drafter``) of the application ``serve.app_name`` and its capture folder (``serve.capture``).
+Every ``adapt.poll_s`` it reads how many requests the folder has captured
+(:func:`~taps_ray.serving.capture.captured_requests`; a verifier replica writes its rows
+``serve.capture.rows_per_shard`` at a time) and moves drafter replicas that Serve started since the last
+promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafter.reconcile`). Once
+``adapt.every`` requests have been captured since the last round, and the folder keeps more rows than
+``train.heldout_rows``, a round runs:
+
+1. :func:`~taps_ray.train.adapt.run_adapt` fine-tunes the version now serving on the captured traffic mixed
+   with its original datasets (a Ray Train run that asks for ``train.num_workers`` workers and nothing
+   more, so serving keeps its replicas) and scores before / after on the same held-out rows;
+2. :func:`~taps_ray.serving.promote.decide` gates it (``adapt.margin``, ``adapt.min_gain``);
+3. a version that passes is promoted through the hot-swap path (running requests keep their drafter),
+   one that does not stays in its folder;
+4. the decision goes to the promotion log (``<run folder>/adapt/promotions.jsonl``, with the captured count
+   it was taken at) and to the version folder's ``promotion.json``.
+
+A round whose training fails is logged and skipped until ``adapt.every`` more requests arrive; the loop
+goes on. Restarted, the loop resumes from its log: the last promoted version is served again and the
+request count restarts from the last round's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+from taps_ray.config import ExperimentConfig
+from taps_ray.runstate import write_json
+from taps_ray.serving.capture import capture_dir, captured_requests
+from taps_ray.serving.promote import Decision, Promotion, PromotionError, PromotionLog, decide, record
+from taps_ray.train.adapt import AdaptError, run_adapt
+
+log = logging.getLogger(__name__)
+
+PROMOTION_FILE = "promotion.json"
+
+
+class PromotionTarget(Protocol):
+    """What the loop promotes into: :class:`~taps_ray.serving.promote.ServedDrafter`, or an in-process
+    stand-in in tests."""
+
+    promoted: str | None
+
+    def serving(self) -> str | None: ...
+
+    def swap(self, checkpoint: str) -> object: ...
+
+    def reconcile(self) -> int: ...
+
+
+def watched_drafter(cfg: ExperimentConfig, name: str | None = None) -> str:
+    """``name``, else ``adapt.drafter``, else the first drafter of ``serve.drafters`` that is no weight average."""
+    name = name or cfg.adapt.drafter
+    if name is not None:
+        return name
+    plain = [n for n, d in cfg.serve.drafters.items() if not d.average_of]
+    if not plain:
+        raise PromotionError("serve.drafters has no drafter to adapt (each is a weight average)")
+    return plain[0]
+
+
+def traffic_folder(cfg: ExperimentConfig, traffic: str | Path | None = None) -> Path:
+    """``traffic``, else the application's capture folder (``serve.capture.dir``)."""
+    return Path(traffic) if traffic else capture_dir(cfg.serve.capture, cfg.serve.app_name)
+
+
+class Watch:
+    """The loop of the module docstring over ``served`` (drafter ``name``) and the capture folder ``traffic``."""
+
+    def __init__(self, cfg: ExperimentConfig, name: str, served: PromotionTarget, traffic: Path, target=None):
+        self.cfg, self.name, self.served, self.traffic = cfg, name, served, Path(traffic)
+        self.target = target
+        self.log = PromotionLog(cfg.run_dir)
+        mine = [e for e in self.log.entries() if e["drafter"] == name]
+        self.baseline = max((e.get("captured", 0) for e in mine), default=0)
+        promoted = self.log.last_promoted(name)
+        if promoted is not None:
+            log.info("adapt watch: %s was last promoted to %s; serving it again", name, promoted)
+            self.served.promoted = promoted
+
+    def due(self) -> int | None:
+        """The captured count when a round is due now, else None."""
+        captured, kept = captured_requests(self.traffic)
+        if captured - self.baseline < self.cfg.adapt.every:
+            return None
+        if kept <= self.cfg.train.heldout_rows:
+            log.info("adapt watch: %d captured rows kept, more than train.heldout_rows=%d needed", kept,
+                     self.cfg.train.heldout_rows)
+            return None
+        return captured
+
+    def round(self, captured: int) -> Promotion | None:
+        """Adapt the serving version, gate, promote or keep aside, log; None when training failed."""
+        source = self.served.promoted or self.served.serving()
+        if source is None:
+            raise PromotionError(f"drafter {self.name!r} serves a freshly initialised drafter; give it a checkpoint "
+                                 f"(serve.drafters.{self.name}.checkpoint) to adapt from")
+        self.baseline = captured
+        try:
+            result = run_adapt(self.cfg, self.traffic, source, target=self.target)
+        except AdaptError as err:
+            log.error("adapt watch: round at %d captured requests failed: %s", captured, err)
+            return None
+        decision: Decision = decide(result.record["tau"], self.cfg.adapt.margin, self.cfg.adapt.min_gain)
+        if decision.promote:
+            try:
+                self.served.swap(str(result.out))
+            except PromotionError as err:
+                decision = Decision(False, f"passed the gate ({decision.reason}) but the swap failed: {err}",
+                                    decision.gain, decision.losses)
+        entry = record(self.name, result.version, result.out, source, decision, result.record, captured)
+        write_json(Path(result.out) / PROMOTION_FILE, asdict(entry))
+        self.log.append(entry)
+        log.info("adapt watch: version %d %s: %s", result.version,
+                 "promoted" if decision.promote else "kept aside", decision.reason)
+        return entry
+
+    def run(self, stop: threading.Event | None = None) -> list[Promotion]:
+        """Poll until ``adapt.rounds`` rounds have run (None: until ``stop`` is set or Ctrl-C)."""
+        stop = stop or threading.Event()
+        done: list[Promotion] = []
+        rounds = 0
+        while not stop.is_set() and (self.cfg.adapt.rounds is None or rounds < self.cfg.adapt.rounds):
+            self.served.reconcile()
+            captured = self.due()
+            if captured is None:
+                stop.wait(self.cfg.adapt.poll_s)
+                continue
+            rounds += 1
+            if (entry := self.round(captured)) is not None:
+                done.append(entry)
+        return done
+
+
+def watch(cfg: ExperimentConfig, traffic: str | Path | None = None, drafter: str | None = None,
+          stop: threading.Event | None = None) -> list[Promotion]:
+    """``taps adapt --watch``: :class:`Watch` over drafter ``drafter`` of the running application."""
+    from taps_ray.ray_utils import init_ray
+    from taps_ray.serving.promote import ServedDrafter
+
+    name = watched_drafter(cfg, drafter)
+    init_ray()
+    served = ServedDrafter(cfg, name)
+    folder = traffic_folder(cfg, traffic)
+    log.info("adapt watch: drafter %s of %s, capture folder %s, a round every %d captured requests", name,
+             cfg.serve.app_name, folder, cfg.adapt.every)
+    return Watch(cfg, name, served, folder).run(stop)

@@ -1,0 +1,58 @@
+"""The promotion gate and log (pure): a version is promoted only when its held-out traffic tau beats the
+serving version's by more than ``min_gain`` and no original domain loses more than ``margin``."""
+
+from __future__ import annotations
+
+import pytest
+
+from taps_ray.config import load_config
+from taps_ray.serving.promote import Decision, PromotionError, PromotionLog, ServedDrafter, decide, record
+
+
+def tau(traffic: tuple[float, float], **originals: tuple[float, float]) -> dict:
+    return {"traffic": {"before": traffic[0], "after": traffic[1]},
+            **{n: {"before": b, "after": a} for n, (b, a) in originals.items()}}
+
+
+@pytest.mark.parametrize("record_, margin, min_gain, promote, reason", [
+    (tau((2.0, 2.4), math=(3.0, 2.98), chat=(2.0, 2.1)), 0.05, 0.0, True, "gain +0.400"),
+    (tau((2.0, 2.4), math=(3.0, 2.90)), 0.05, 0.0, False, "tau on math drops by 0.100, more than the margin 0.050"),
+    (tau((2.0, 2.4), math=(3.0, 2.95)), 0.05, 0.0, True, "largest loss on an original domain 0.050"),
+    (tau((2.0, 2.0), math=(3.0, 3.5)), 0.05, 0.0, False, "traffic tau gain +0.000 is not above +0.000"),
+    (tau((2.0, 2.2)), 0.05, 0.3, False, "traffic tau gain +0.200 is not above +0.300"),
+    (tau((2.0, 1.9), math=(3.0, 3.0)), 1.0, 0.0, False, "gain -0.100 is not above"),
+    (tau((2.0, 2.5), math=(3.0, 2.0), chat=(2.0, 1.8)), 0.15, 0.0, False, "tau on math drops by 1.000"),
+])
+def test_the_gate_promotes_only_a_traffic_gain_that_costs_no_original_domain_more_than_the_margin(
+        record_, margin, min_gain, promote, reason):
+    decision = decide(record_, margin, min_gain)
+    assert decision.promote is promote
+    assert reason in decision.reason
+    assert decision.gain == pytest.approx(record_["traffic"]["after"] - record_["traffic"]["before"])
+    assert decision.losses == pytest.approx({n: t["before"] - t["after"] for n, t in record_.items() if n != "traffic"})
+
+
+def test_a_record_without_traffic_is_refused_by_name():
+    with pytest.raises(ValueError, match="no 'traffic' domain .*'math'"):
+        decide({"math": {"before": 1.0, "after": 2.0}}, 0.05)
+
+
+def test_the_log_keeps_every_decision_and_names_the_last_promoted_checkpoint_per_drafter(tmp_path):
+    log = PromotionLog(tmp_path)
+    assert log.entries() == [] and log.last_promoted("math") is None
+    adapt = {"tau": tau((2.0, 2.5)), "traffic_rows": 40}
+    log.append(record("math", 1, tmp_path / "v1", "release:math", Decision(True, "ok", 0.5, {}), adapt, 64))
+    log.append(record("math", 2, tmp_path / "v2", str(tmp_path / "v1"), Decision(False, "no", 0.0, {}), adapt, 128))
+    log.append(record("chat", 3, tmp_path / "v3", "release:chat", Decision(True, "ok", 0.5, {}), adapt, 192))
+    assert [e["version"] for e in log.entries()] == [1, 2, 3]
+    assert log.last_promoted("math") == str(tmp_path / "v1") and log.last_promoted("chat") == str(tmp_path / "v3")
+    assert log.entries()[1]["parent"] == str(tmp_path / "v1") and log.entries()[1]["captured"] == 128
+    assert log.path == tmp_path / "adapt" / "promotions.jsonl"
+
+
+def test_promoting_into_an_unknown_or_averaged_drafter_is_refused_before_any_cluster_call():
+    cfg = load_config(None, ["serve.drafters={a: {seed: 0}, b: {seed: 1}, ab: {average_of: [a, b]}}"])
+    with pytest.raises(PromotionError, match="no drafter 'c'; drafters: \\['a', 'ab', 'b'\\]"):
+        ServedDrafter(cfg, "c")
+    with pytest.raises(PromotionError, match="'ab' is the weight average of \\['a', 'b'\\]"):
+        ServedDrafter(cfg, "ab")
