@@ -129,3 +129,15 @@ def test_docs_config_md_is_what_config_help_generates(capsys):
     assert "| `serve.max_queued_requests` | `int` | `8` |" in generated
     assert generated == (REPO / "docs" / "CONFIG.md").read_text(), (
         "docs/CONFIG.md is out of date: run `taps config-help --markdown > docs/CONFIG.md`")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--traffic", "t"], "--traffic DIR and --drafter SRC are required (or --watch beside a running taps serve)"),
+    (["--watch", "--new"], "--watch fine-tunes the serving version at adapt.traffic_share"),
+    (["--watch", "--traffic-share", "0.3"], "--new, --out and --traffic-share do not apply"),
+])
+def test_adapt_refuses_flags_that_do_not_fit_together_before_loading_anything(flags, message, capsys, tmp_path):
+    from taps_ray.cli import main
+
+    assert main(["adapt", DEMO, *flags, f"output_dir={tmp_path}"]) == 2
+    assert message in capsys.readouterr().err

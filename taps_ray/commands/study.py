@@ -69,11 +69,11 @@ def add_adapt(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traffic", default=None, metavar="DIR",
                         help="a serving capture folder (serve.capture.dir) of this config's target (with --watch: "
                              "default serve.capture's folder)")
+    parser.add_argument("--traffic-share", type=float, default=None, metavar="SHARE",
+                        help="share of training rows from the traffic, in [0, 1] (default: adapt.traffic_share)")
     parser.add_argument("--drafter", default=None, metavar="SRC",
                         help="drafter folder or release:NAME to fine-tune (with --new: the baseline of the tau); with "
                              "--watch: the serve.drafters name to adapt and promote into (default adapt.drafter)")
-    parser.add_argument("--traffic-share", type=float, default=None, metavar="SHARE",
-                        help="share of training rows from the traffic, in [0, 1] (default: adapt.traffic_share)")
     parser.add_argument("--new", action="store_true", help="train a new specialist on the traffic only")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="also copy the new version there (default: <run folder>/drafters/adapt-vN only)")
