@@ -160,16 +160,15 @@ def serving(tmp: str) -> dict:
 
 def training(tmp: str) -> dict:
     """One variant, 2 Train workers, one on each of two nodes (2 CPUs each: 2 of the head's 5 CPUs are
-    held by a placeholder actor at the start, so each node fits one worker and the head keeps a whole
-    CPU for Ray Data's read tasks); once a mid-run checkpoint
+    held by a placeholder actor at the start, so each node fits one worker and the head keeps a CPU for
+    Train's controller); once a mid-run checkpoint
     exists the worker node is removed and the placeholder released: Ray Train restarts the worker group
     on the head alone from that checkpoint (``FailureConfig``), and the run ends with every step trained
     and logged once. Steps are slowed (``$TAPS_TRAIN_STEP_DELAY_S``) so the removal lands mid-run.
 
     The node is removed once Train has registered a checkpoint (its ``checkpoint_manager_snapshot.json``):
     removed as soon as the checkpoint folder appeared, the restart found no checkpoint and began again
-    at step 1. Not yet run by ``tests/test_multinode.py`` (about 3 minutes); run by hand:
-    ``python -m tests.multinode training DIR`` (passed on a quiet machine, docs/BENCHMARKS.md)."""
+    at step 1. Run by ``tests/test_multinode.py``, and by hand: ``python -m tests.multinode training DIR``."""
     import os
     from pathlib import Path
 

@@ -1,6 +1,7 @@
 """Multi-node behaviour on a real multi-raylet ``ray.cluster_utils.Cluster``: the shared-storage check's
 positive path, and serving with the Verifier and the drafter replica on different nodes, the drafter
-node removed mid-run (one cluster for both). Each scenario (``tests/multinode.py``) runs in a child process with its own
+node removed mid-run (one cluster for both); training with one variant's two Train workers on two nodes,
+the worker node removed mid-run. Each scenario (``tests/multinode.py``) runs in a child process with its own
 cluster, so the session cluster of the other modules (``ray_session``) is never touched; the child
 process group is killed if it overruns."""
 
@@ -64,3 +65,11 @@ def test_serving_across_nodes_survives_losing_the_drafter_node(serving_run):
     assert serving_run["drafter_node"] not in serving_run["alive_after"]
     assert all(serving_run["drafted_before"]), serving_run["drafted_before"]
     assert all("a" in skipped for skipped in serving_run["skipped_after"].values()), serving_run["skipped_after"]
+
+
+def test_training_across_nodes_resumes_on_the_survivor_from_its_last_checkpoint(tmp_path):
+    """Every step trained and logged once, the second attempt started from a checkpoint (checked in the
+    scenario); here: the workers really sat on both nodes and the one removed was the worker node."""
+    result = run_scenario("training", tmp_path, 420)
+    assert sorted(result["worker_nodes_before"]) == sorted([result["head"], result["removed"]])
+    assert result["starts"][0] == 0 and result["starts"][1] >= 2 and result["steps"] == list(range(1, 7))
