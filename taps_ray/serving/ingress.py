@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -116,12 +117,15 @@ def public_checkpoint(checkpoint: str | None) -> str | None:
     return "local"
 
 
+def version_counts(stats: list[dict]) -> dict[int, int]:
+    """Drafter version -> replicas serving it, from a deployment's replicas' ``stats``."""
+    return dict(Counter(replica["version"] for replica in stats))
+
+
 def served_versions(stats: list[dict]) -> dict:
     """What ``/v1/models`` shows of the drafter a deployment's replicas serve (their ``stats``):
     ``version`` and ``checkpoint`` of most replicas, and ``replicas`` per version."""
-    counts: dict[int, int] = {}
-    for replica in stats:
-        counts[replica["version"]] = counts.get(replica["version"], 0) + 1
+    counts = version_counts(stats)
     if not counts:
         return {"version": None, "replicas": {}}
     version = max(counts, key=lambda v: (counts[v], v))
@@ -241,9 +245,7 @@ class Ingress:
             names = list(self.cfg.drafters)
             replies = await asyncio.gather(*(self._drafter_stats(app_name, n) for n in names))
             self._drafters = (now, dict(zip(names, replies)))
-            self.metrics.serving_versions({n: {v: sum(r["version"] == v for r in stats)
-                                               for v in {r["version"] for r in stats}}
-                                           for n, stats in self._drafters[1].items()})
+            self.metrics.serving_versions({n: version_counts(stats) for n, stats in self._drafters[1].items()})
         return self._drafters[1]
 
     async def _drafter_stats(self, app_name: str, name: str) -> list[dict]:
