@@ -13,8 +13,9 @@
    tree, greedy).
 4. The traffic is replayed through the endpoint (``single:DRAFTER``, ``--concurrency`` clients).
 5. One round of :class:`taps_ray.train.watch.Watch` (``adapt.every`` = the traffic) adapts the serving
-   version and promotes it if it passes the gate. While it trains, clients keep sending the held-out
-   GSM8K / MT-Bench prompts: every answer must be a 200 and equal in-process vanilla greedy.
+   version (on a frozen copy of the capture folder) and promotes it if it passes the gate. While it
+   trains, clients keep sending 8 assorted prompts of ``load_test.py`` (in no held-out set): every answer
+   must be a 200 and equal in-process vanilla greedy.
 6. After: tau of the version now serving on the same held-out sets.
 
 Also counted: the Verifier's target forwards (per batch size) against the verification steps of every
@@ -36,7 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import requests  # noqa: E402
+from load_test import PROMPTS as DURING_PROMPTS  # noqa: E402
 from load_test import run as run_load  # noqa: E402
+
+SHARD_ROWS = 32
 
 CODE = re.compile(r"```|\b(python|javascript|typescript|java|c\+\+|golang|rust|sql|bash|regex|function|"
                   r"def |class |code|script|program|compile|api|json|html|css|react|django|pandas)\b", re.I)
@@ -133,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    capture = {"enabled": True, "dir": str(out / "capture"), "rows_per_shard": 32}
+    capture = {"enabled": True, "dir": str(out / "capture"), "rows_per_shard": SHARD_ROWS}
     cfg = load_config(args.config, [
         "name=adapt-experiment", f"output_dir={out}", "target.dtype=float32",
         "serve.drafters={math: release:math, chat: release:chat}", f"serve.capture={json.dumps(capture)}",
         "serve.port=8013", "serve.draft_deadline_s=30", "serve.request_timeout_s=900",
-        f"adapt.drafter={args.drafter}", f"adapt.every={args.traffic}", "adapt.rounds=1", "adapt.poll_s=5",
+        f"adapt.drafter={args.drafter}", "adapt.rounds=1", "adapt.poll_s=5",
         *args.overrides])
     started = time.time()
     code = coding_prompts(excluded_hashes(cfg))
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.load(cfg.target)
     before = heldout_taus(target, checkpoint, cfg.tree, sets, args.max_tokens)
     print("before:", {n: t["tau"] for n, t in before.items()}, flush=True)
-    during_prompts = sets["gsm8k"][:4] + sets["mt_bench"][:4]
+    during_prompts = DURING_PROMPTS[:8]  # none of them held out: what is captured meanwhile stays out of every set
     reference = vanilla_texts(target, during_prompts, args.max_tokens)
 
     url = serve_app(cfg, blocking=False)
@@ -161,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         replay = run_load(load_args(url, f"single:{args.drafter}", traffic, len(traffic), args.concurrency,
                                     args.max_tokens))
         print("replayed:", replay["summary"]["ok"], "ok of", replay["summary"]["requests"], flush=True)
+        written = len(traffic) - len(traffic) % SHARD_ROWS  # a verifier replica writes its rows 32 at a time
         deadline = time.time() + 600
-        while captured_requests(out / "capture")[0] < len(traffic) and time.time() < deadline:
-            time.sleep(2)  # a verifier replica writes its rows 32 at a time
-        watch = Watch(cfg, args.drafter, ServedDrafter(cfg, args.drafter), out / "capture",
+        while captured_requests(out / "capture")[0] < written and time.time() < deadline:
+            time.sleep(2)
+        round_cfg = cfg.model_copy(update={"adapt": cfg.adapt.model_copy(update={"every": written})})
+        watch = Watch(round_cfg, args.drafter, ServedDrafter(cfg, args.drafter), out / "capture",
                       target=load_training_target(cfg))
         rounds: list = []
         thread = threading.Thread(target=lambda: rounds.extend(watch.run()), name="adapt-watch")

@@ -152,14 +152,8 @@ class CaptureWriter:
             self._write_manifest(manifest)
         return path
 
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        with open(self.folder / LOCK, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+    def _exclusive(self):
+        return exclusive(self.folder)
 
     def _manifest(self) -> dict:
         path = self.folder / MANIFEST
@@ -201,6 +195,42 @@ class CaptureWriter:
             "features": all(s["features"] for s in shards.values()),
         })
         write_json(self.folder / MANIFEST, manifest)
+
+
+@contextmanager
+def exclusive(folder: Path) -> Iterator[None]:
+    """The capture folder's writers' lock (an exclusive ``flock`` on its ``.capture.lock``)."""
+    with open(Path(folder) / LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def snapshot(folder: str | Path, into: str | Path) -> Path:
+    """A frozen copy of the capture folder ``folder`` at ``into`` (replaced if it exists): its manifest, prompt
+    list and shards as they are under the writers' lock, the shards hard-linked where the filesystem allows
+    (a shard is never rewritten in place: writers and :func:`fill_features` replace a file by renaming
+    over it), else copied. Training on the copy is untouched by rows captured and shards evicted meanwhile,
+    and its held-out split stays the one it was trained against."""
+    import os
+    import shutil
+
+    folder, into = Path(folder), Path(into)
+    if into.exists():
+        shutil.rmtree(into)
+    into.mkdir(parents=True)
+    with exclusive(folder):
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for name in sorted(manifest["capture"]["shards"]):
+            try:
+                os.link(folder / name, into / name)
+            except OSError:
+                shutil.copy2(folder / name, into / name)
+        shutil.copy2(folder / FEATURE_PROMPTS, into / FEATURE_PROMPTS)
+        write_json(into / MANIFEST, manifest)
+    return into
 
 
 def captured_requests(folder: str | Path) -> tuple[int, int]:

@@ -9,7 +9,9 @@ promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafte
 ``adapt.every`` requests have been captured since the last round, and the folder keeps more rows than
 ``train.heldout_rows``, a round runs:
 
-1. :func:`~taps_ray.train.adapt.run_adapt` fine-tunes the version now serving on the captured traffic mixed
+1. the capture folder is frozen into ``<run folder>/adapt/traffic-<captured>``
+   (:func:`~taps_ray.serving.capture.snapshot`: hard links, so no copy of the features), and
+   :func:`~taps_ray.train.adapt.run_adapt` fine-tunes the version now serving on that traffic mixed
    with its original datasets (a Ray Train run that asks for ``train.num_workers`` workers and nothing
    more, so serving keeps its replicas) and scores before / after on the same held-out rows;
 2. :func:`~taps_ray.serving.promote.decide` gates it (``adapt.margin``, ``adapt.min_gain``);
@@ -33,7 +35,7 @@ from typing import Protocol
 
 from taps_ray.config import ExperimentConfig
 from taps_ray.runstate import write_json
-from taps_ray.serving.capture import capture_dir, captured_requests
+from taps_ray.serving.capture import capture_dir, captured_requests, snapshot
 from taps_ray.serving.promote import Decision, Promotion, PromotionError, PromotionLog, decide, record
 from taps_ray.train.adapt import AdaptError, run_adapt
 
@@ -102,9 +104,10 @@ class Watch:
         if source is None:
             raise PromotionError(f"drafter {self.name!r} serves a freshly initialised drafter; give it a checkpoint "
                                  f"(serve.drafters.{self.name}.checkpoint) to adapt from")
-        self.baseline = captured
+        frozen = snapshot(self.traffic, self.log.path.parent / f"traffic-{captured}")
+        captured = self.baseline = captured_requests(frozen)[0]
         try:
-            result = run_adapt(self.cfg, self.traffic, source, target=self.target)
+            result = run_adapt(self.cfg, frozen, source, target=self.target)
         except AdaptError as err:
             log.error("adapt watch: round at %d captured requests failed: %s", captured, err)
             return None

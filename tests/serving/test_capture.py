@@ -22,7 +22,7 @@ from taps_ray.config import CaptureConfig, ServeConfig, TreeConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
 from taps_ray.data.feature_sets import MANIFEST, FeatureCacheError, decode_row, open_feature_set
 from taps_ray.data.features import FeatureActor
-from taps_ray.serving.capture import CaptureWriter, fill_features
+from taps_ray.serving.capture import CaptureWriter, captured_requests, fill_features, snapshot
 from taps_ray.serving.drafter import DraftSessions
 from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.verifier import Verifier
@@ -193,6 +193,25 @@ def test_sampling_budget_and_oldest_first_eviction(target, drafters, tmp_path):
     manifest = json.loads((tmp_path / "cap" / MANIFEST).read_text())
     assert list(manifest["capture"]["shards"]) == ["part-000000000005.parquet"]
     assert sorted(p.name for p in (tmp_path / "cap").glob("*.parquet")) == ["part-000000000005.parquet"]
+
+
+def test_a_snapshot_stays_as_it_was_while_the_server_captures_and_evicts(target, drafters, tmp_path):
+    capture = CaptureConfig(enabled=True, dir=str(tmp_path / "cap"), rows_per_shard=1, max_rows=3)
+    verifier = make_verifier(target, drafters, capture)
+    for prompt in PROMPTS[:3]:
+        decode(verifier, prompt)
+    frozen = snapshot(tmp_path / "cap", tmp_path / "frozen")
+    rows = pq.read_table(open_feature_set(frozen, target.fingerprint.to_dict(), "t").shard_paths()).to_pylist()
+    assert (frozen / "part-000000000000.parquet").stat().st_ino == (tmp_path / "cap" / "part-000000000000.parquet").stat().st_ino
+    for prompt in PROMPTS[3:]:  # two more rows: the two oldest shards of the live folder are evicted
+        decode(verifier, prompt)
+    assert captured_requests(tmp_path / "cap") == (len(PROMPTS), 3) and captured_requests(frozen) == (3, 3)
+    again = open_feature_set(frozen, target.fingerprint.to_dict(), "t")
+    assert pq.read_table(again.shard_paths()).to_pylist() == rows and again.rows == 3
+    assert json.loads((frozen / FEATURE_PROMPTS).read_text())["sha256"] == [
+        prompt_hash(target.tokenizer.decode(p)) for p in PROMPTS[:3]]
+    assert snapshot(tmp_path / "cap", tmp_path / "frozen") == tmp_path / "frozen"  # replaced: the live rows now
+    assert captured_requests(tmp_path / "frozen") == (len(PROMPTS), 3)
 
 
 def test_token_ids_only_rows_open_once_their_features_are_computed(target, drafters, tmp_path):
