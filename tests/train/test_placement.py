@@ -14,8 +14,8 @@ class Controller:
     """Stands in for a Train controller: reserves a group scoped to the job, not to itself."""
 
     def reserve(self):
-        group = ray.util.placement_group([{"CPU": 1.0}])
-        ray.get(group.ready())
+        group = ray.util.placement_group([{"CPU": 0.01}])  # a sliver: other tests' actors on the shared cluster may hold CPUs
+        ray.get(group.ready(), timeout=60)
         return group
 
 
@@ -27,7 +27,7 @@ def test_group_of_a_killed_controller_is_removed_and_a_live_one_is_kept(ray_sess
     reapers = []
     for _ in range(2):
         controller = Controller.remote()
-        group = ray.get(controller.reserve.remote())
+        group = ray.get(controller.reserve.remote(), timeout=90)
         reaper = ray.remote(num_cpus=0)(PlacementGroupReaper).options(lifetime="detached").remote(controller, 0.2)
         ray.get(reaper.register.remote(group))
         reaper.watch.remote()
@@ -55,7 +55,7 @@ def test_group_of_a_killed_controller_is_removed_and_a_live_one_is_kept(ray_sess
 
 def test_remove_recorded_frees_the_recorded_groups_under_a_folder_only(ray_session, tmp_path):
     controller = Controller.remote()
-    groups = {name: ray.get(controller.reserve.remote()) for name in ("trial", "done", "elsewhere")}
+    groups = {name: ray.get(controller.reserve.remote(), timeout=90) for name in ("trial", "done", "elsewhere")}
     ray.util.remove_placement_group(groups["done"])
     for folder, names in (("sweep/trials/t1/ray/v", ["trial", "done"]), ("other/ray/v", ["elsewhere"])):
         (tmp_path / folder).mkdir(parents=True)
