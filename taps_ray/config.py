@@ -430,7 +430,8 @@ class ServeConfig(Strict):
     batch_wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
         "how long a step waits for the other decoding requests' steps to join its forward"))
     max_queued_requests: int = Field(default=8, ge=1, description=(
-        "requests waiting for a slot, per ingress replica (Serve's max_queued_requests); beyond it a 429"))
+        "requests waiting for a slot, per ingress replica (its admission and Serve's max_queued_requests); "
+        "beyond it a 429"))
     retry_after_s: float = Field(default=1.0, gt=0, allow_inf_nan=False, description=(
         "Retry-After of a 429 (rounded up to whole seconds)"))
     verifier_replicas: int = Field(default=1, ge=1, description="Verifier (target) replicas")

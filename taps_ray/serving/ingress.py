@@ -9,9 +9,10 @@ limits (:func:`~taps_ray.serving.protocol.check_limits`); the verifier checks th
 count against the context length before prefill (its first streamed event is ``start`` or ``error``,
 so no HTTP status is committed before that).
 
-Load shedding: requests wait for a verifier slot in Serve's queue of at most
-``serve.max_queued_requests`` per ingress replica; beyond it the request is answered at once with a
-429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
+Load shedding: an ingress replica passes at most every verifier slot plus
+``serve.max_queued_requests`` requests on to the verifiers (:class:`Admission`, exact: Serve's own
+queue bound on the handle counts loosely under a burst and stays behind it as a second line); a
+request beyond them is answered at once with a 429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
 included (504 when it runs out before decoding starts). ``/health`` answers from the ingress alone;
 ``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
 ``/v1/models`` and ``/metrics`` (``taps_drafter_version``) show the drafter version each drafter's replicas
@@ -27,7 +28,9 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections import Counter
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -143,6 +146,53 @@ def _cancel(events) -> None:
         log.debug("cancelling a verifier call: %r", err)
 
 
+class Admission:
+    """The requests this ingress replica has passed to the verifiers and not yet seen end: at most
+    ``capacity``. Used from the replica's event loop only, so a plain counter is exact."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held = 0
+
+    def admit(self) -> Callable[[], None] | None:
+        """A release function for one more request, or None when ``capacity`` are held. Calling the
+        release more than once releases once."""
+        if self.held >= self.capacity:
+            return None
+        self.held += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held -= 1
+
+        return release
+
+
+class VerifierStream(StreamingResponse):
+    """A streamed answer that lets go of its admission however it ends, and of the verifier call when
+    its body never started (the client left first): on return from ``__call__``, or, when it is never
+    called, once the response is dropped."""
+
+    def __init__(self, body, events, release: Callable[[], None], started: Callable[[], bool]):
+        super().__init__(body, media_type="text/event-stream")
+        self._end = weakref.finalize(self, _end_stream, events, release, started)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()
+
+
+def _end_stream(events, release: Callable[[], None], started: Callable[[], bool]) -> None:
+    release()
+    if not started():
+        _cancel(events)
+
+
 def sse_line(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -178,6 +228,8 @@ class Ingress:
         self._drafters: tuple[float, dict[str, list[dict]]] | None = None
         self._controller = None
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
+        self.admission = Admission(self.cfg.verifier_replicas * self.cfg.max_concurrent_requests
+                                   + self.cfg.max_queued_requests)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, http: Request):
@@ -264,12 +316,27 @@ class Ingress:
     async def _serve(self, http: Request, body, prompt, prompt_param: str, chat: bool):
         start = time.perf_counter()
         request = self._request(body, prompt, prompt_param, errors.request_id(http.scope), errors.arrival(http.scope))
-        events = self.verifier.options(stream=True).generate.remote(request)
-        refused = await self._first_event(events, request)
-        if refused is not None:
-            return refused
-        if body.stream:
-            return StreamingResponse(self._sse(events, body, request, chat, start), media_type="text/event-stream")
+        release = self.admission.admit()
+        if release is None:
+            return self._busy(request, f"ingress admission full ({self.admission.capacity})")
+        try:
+            events = self.verifier.options(stream=True).generate.remote(request)
+            refused = await self._first_event(events, request)
+            if refused is not None:
+                return refused
+            if body.stream:
+                started = asyncio.Event()
+                response = VerifierStream(self._sse(events, body, request, chat, start, started), events, release,
+                                          started.is_set)
+                release = None
+                return response
+            return await self._complete(events, request, chat, start)
+        finally:
+            if release is not None:
+                release()
+
+    async def _complete(self, events, request: DecodeRequest, chat: bool, start: float):
+        """The whole (non-streamed) answer of a request whose decoding has started."""
         self.metrics.running.labels(self.model_name).inc()
         ttft, done, finished = None, None, False
         logprobs = None if request.logprobs is None else []
@@ -307,6 +374,15 @@ class Ingress:
         return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"],
                     logprobs)
 
+    def _busy(self, request: DecodeRequest, why: str) -> JSONResponse:
+        """The at-once 429 (``server_busy``, ``Retry-After``) of a request refused for load; ``why`` goes to the log."""
+        log.info("request %s shed: %s", request.request_id, why)
+        self.metrics.failed(429)
+        return JSONResponse(error_body(
+            f"the server is at capacity (every decoding slot is busy and its queue is full); retry after "
+            f"{self._retry_after['Retry-After']} s", "rate_limit_error", None,
+            "server_busy", request.request_id), status_code=429, headers=self._retry_after)
+
     async def _first_event(self, events, request: DecodeRequest) -> JSONResponse | None:
         """Wait (until the request's deadline) for the verifier's first event: None when decoding started,
         the response otherwise: 429 at once when the verifier's queue is full, 504 when the deadline passed
@@ -318,12 +394,7 @@ class Ingress:
             first = await asyncio.wait_for(events.__anext__(), max(request.expires_at - time.time(), 0.0))
         except BackPressureError as err:
             _cancel(events)
-            log.info("request %s shed: %s", request.request_id, err)
-            self.metrics.failed(429)
-            return JSONResponse(error_body(
-                f"the server is at capacity (every decoding slot is busy and its queue is full); retry after "
-                f"{self._retry_after['Retry-After']} s", "rate_limit_error", None,
-                "server_busy", request.request_id), status_code=429, headers=self._retry_after)
+            return self._busy(request, repr(err))
         except TimeoutError:
             _cancel(events)
             self.metrics.aborted.labels(self.model_name, "timeout").inc()
@@ -375,7 +446,8 @@ class Ingress:
             request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s, logprobs=body.top_logprobs_count,
         )
 
-    async def _sse(self, events, body, request: DecodeRequest, chat: bool, start: float):
+    async def _sse(self, events, body, request: DecodeRequest, chat: bool, start: float, started: asyncio.Event):
+        started.set()
         rid = request.rid
         created = protocol.now()
         usage_chunks = body.include_usage

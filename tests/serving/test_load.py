@@ -82,10 +82,10 @@ def test_health_and_readiness(server):
 
 
 def test_a_burst_beyond_the_queue_is_shed_at_once_and_probes_stay_up(server, served):
-    """SLOTS + QUEUE + EXTRA streams at once: those beyond the slots and the queue get a 429 with
-    Retry-After at once; the accepted ones hold their slots until the refusals are in, then hang up
-    after the first chunk. Serve counts its queue bound per caller, so it may admit or refuse a few
-    requests more than strictly needed: at least half of the EXTRA must be shed while slots are held."""
+    """SLOTS + QUEUE + EXTRA streams at once: the EXTRA beyond the slots and the queue get a 429 with
+    Retry-After at once (the ingress's admission is exact; Serve's looser bound behind it may refuse
+    a few more, never fewer); the ones decoding hold their slots until the refusals are in, then
+    hang up after the first chunk."""
     extra = 12
     n = SLOTS + QUEUE + extra
     shed = 'taps_request_failure_total{model_name="smollm2-135m",status="429"}'
@@ -100,7 +100,7 @@ def test_a_burst_beyond_the_queue_is_shed_at_once_and_probes_stay_up(server, ser
             first = next(lines) if response.status_code == 200 else response.content
             with lock:
                 results.append((response.status_code, response.headers, first))
-                if len(results) >= SLOTS + extra // 2:
+                if len(results) >= SLOTS + extra:
                     enough.set()
             if response.status_code == 200:
                 enough.wait(60)
@@ -115,7 +115,7 @@ def test_a_burst_beyond_the_queue_is_shed_at_once_and_probes_stay_up(server, ser
         t.join(120)
     statuses = sorted(status for status, _, _ in results)
     assert len(results) == n and set(statuses) <= {200, 429}, statuses
-    assert statuses.count(429) >= extra // 2 and statuses.count(200) >= SLOTS, statuses
+    assert statuses.count(429) >= extra and statuses.count(200) >= SLOTS, statuses
     for status, headers, body in results:
         if status == 429:
             error = json.loads(body)["error"]
