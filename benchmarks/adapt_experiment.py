@@ -1,14 +1,18 @@
 """A drafter that learns the served workload: capture, one ``taps adapt --watch`` round, gated promotion.
 
     python benchmarks/adapt_experiment.py configs/demo.yaml [overrides ...] [--drafter chat] \
-        [--traffic 256] [--heldout 16] [--max-tokens 64] [--concurrency 4] [--out runs/adapt-experiment]
+        [--served math=release:math,chat=release:chat] [--traffic 256] [--heldout 16] [--max-tokens 64] \
+        [--concurrency 4] [--out runs/adapt-experiment]
 
-1. Serve the release ``math`` and ``chat`` drafters (the target of the config, in float32 so served
-   outputs can be compared with in-process greedy token for token) with ``serve.capture`` on.
-2. A third domain no release drafter trained on: ShareGPT conversations whose first user turn asks about
-   code (:func:`coding_prompts`), less every prompt a release drafter or the config's own ``chat`` data
-   trained on; ``--heldout`` of them held out, the next ``--traffic`` are the traffic. Held out too:
-   ``--heldout`` GSM8K test questions and MT-Bench first turns (the original domains).
+1. Serve the ``--served`` drafters (default: the release ``math`` and ``chat``; the demo's are
+   ``math=runs/demo/drafters/hass-math,chat=runs/demo/drafters/hass-chat``) on the target of the config, in
+   float32 so served outputs can be compared with in-process greedy token for token, with
+   ``serve.capture`` on.
+2. A third domain no served drafter trained on: ShareGPT conversations whose first user turn asks about
+   code (:func:`coding_prompts`), less every prompt a release or served drafter or the config's own
+   ``chat`` data trained on; ``--heldout`` of them held out, the next ``--traffic`` are the traffic. Held
+   out too: ``--heldout`` GSM8K test questions and MT-Bench first turns (the original domains), none a
+   served drafter trained on.
 3. Before: tau of ``--drafter`` on the three held-out sets, decoded in-process (``single``, the config's
    tree, greedy).
 4. The traffic is replayed through the endpoint (``single:DRAFTER``, ``--concurrency`` clients).
@@ -65,13 +69,14 @@ def coding_prompts(excluded: set[str], max_chars: int = 600) -> list[str]:
     return out
 
 
-def excluded_hashes(cfg) -> set[str]:
-    """Prompts the release drafters and the config's ``chat`` dataset trained on."""
+def excluded_hashes(cfg, served: dict[str, str]) -> set[str]:
+    """Prompts the release drafters, the ``served`` ones and the config's ``chat`` dataset trained on."""
     from taps_ray.data.contamination import conversation_hash, union_trained_prompts
     from taps_ray.data.sources import load_dataset_alternatives
     from taps_ray.models.release import release_names, resolve_drafter_dir
 
-    hashes = union_trained_prompts([resolve_drafter_dir(f"release:{n}") for n in release_names()])
+    dirs = [resolve_drafter_dir(f"release:{n}") for n in release_names()]
+    hashes = union_trained_prompts([*dirs, *(resolve_drafter_dir(c) for c in served.values())])
     if "chat" in cfg.data.datasets:
         hashes |= {conversation_hash(c) for c in load_dataset_alternatives(cfg.data.datasets["chat"]).conversations}
     return hashes
@@ -116,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--drafter", default="chat", help="the served drafter adapted (math or chat)")
+    parser.add_argument("--drafter", default="chat", help="the served drafter adapted (a name of --served)")
+    parser.add_argument("--served", default="math=release:math,chat=release:chat",
+                        help="NAME=CHECKPOINT,... the drafters served (and the one adapted among them)")
     parser.add_argument("--traffic", type=int, default=256, help="third-domain requests replayed before the round")
     parser.add_argument("--heldout", type=int, default=16, help="held-out prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -135,25 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     from taps_ray.train.launch import load_training_target
     from taps_ray.train.watch import Watch
 
+    served = dict(item.split("=", 1) for item in args.served.split(","))
+    if args.drafter not in served:
+        raise SystemExit(f"--drafter {args.drafter!r} is not one of --served ({', '.join(served)})")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     capture = {"enabled": True, "dir": str(out / "capture"), "rows_per_shard": SHARD_ROWS}
     cfg = load_config(args.config, [
         "name=adapt-experiment", f"output_dir={out}", "target.dtype=float32",
-        "serve.drafters={math: release:math, chat: release:chat}", f"serve.capture={json.dumps(capture)}",
+        f"serve.drafters={json.dumps(served)}", f"serve.capture={json.dumps(capture)}",
         "serve.port=8013", "serve.draft_deadline_s=30", "serve.request_timeout_s=900",
         f"adapt.drafter={args.drafter}", "adapt.rounds=1", "adapt.poll_s=5",
         *args.overrides])
     started = time.time()
-    code = coding_prompts(excluded_hashes(cfg))
+    excluded = excluded_hashes(cfg, served)
+    code = coding_prompts(excluded)
     if len(code) < args.heldout + args.traffic:
         raise SystemExit(f"only {len(code)} coding prompts; ask for fewer")
     random.Random(0).shuffle(code)
     sets = {"code": code[:args.heldout],
-            "gsm8k": [q.turns[0] for q in load_benchmark("gsm8k", args.heldout)],
-            "mt_bench": [q.turns[0] for q in load_benchmark("mt_bench", args.heldout)]}
+            "gsm8k": [q.turns[0] for q in load_benchmark("gsm8k", args.heldout, exclude=excluded)],
+            "mt_bench": [q.turns[0] for q in load_benchmark("mt_bench", args.heldout, exclude=excluded)]}
     traffic = code[args.heldout:args.heldout + args.traffic]
-    checkpoint = f"release:{args.drafter}"
+    checkpoint = served[args.drafter]
     target = TargetModel.load(cfg.target)
     before = heldout_taus(target, checkpoint, cfg.tree, sets, args.max_tokens)
     print("before:", {n: t["tau"] for n, t in before.items()}, flush=True)
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     forwards = {int(k): v for k, v in info["batches"].items()}
     result = {
         "command": " ".join(["python benchmarks/adapt_experiment.py", *sys.argv[1:]] if argv is None else argv),
-        "config": args.config, "drafter": args.drafter, "max_tokens": args.max_tokens, "heldout": args.heldout,
+        "config": args.config, "drafter": args.drafter, "served": served, "max_tokens": args.max_tokens, "heldout": args.heldout,
         "traffic_requests": len(traffic), "traffic_ok": replay["summary"]["ok"],
         "traffic_errors": replay["summary"]["errors"],
         "promotion": asdict(entry),

@@ -553,7 +553,8 @@ class AdaptConfig(Strict):
     every: int = Field(default=128, ge=1, description=(
         "taps adapt --watch: newly captured requests between two adaptations"))
     margin: float = Field(default=0.05, ge=0.0, description=(
-        "promotion gate: the largest held-out tau loss on any original domain a new version may have"))
+        "promotion gate: the largest held-out tau loss on any prepared domain (its own or guarded) a new "
+        "version may have"))
     min_gain: float = Field(default=0.0, ge=0.0, description=(
         "promotion gate: the held-out traffic tau gain a new version must exceed"))
     poll_s: float = Field(default=10.0, gt=0, allow_inf_nan=False, description=(

@@ -2,7 +2,8 @@
 
 :func:`decide` is the gate, from the ``tau`` record ``taps adapt`` writes (held-out tau before / after per
 domain): a version is promoted only if its tau on the traffic beats the serving version's by more than
-``min_gain`` and it loses no more than ``margin`` on any original domain; otherwise it is kept aside (its
+``min_gain`` and it loses no more than ``margin`` on any other domain of the record (the drafter's own
+datasets and every other prepared dataset, :func:`~taps_ray.train.adapt.gate_domains`); otherwise it is kept aside (its
 folder stays, with the reason in the promotion log).
 
 :class:`ServedDrafter` is one drafter deployment of a running application, through Serve's public handle
@@ -41,7 +42,7 @@ class PromotionError(RuntimeError):
 @dataclass(frozen=True)
 class Decision:
     """The gate's verdict: ``promote``, why, the traffic tau ``gain`` (after - before) and the tau
-    ``losses`` per original domain (before - after; negative: a gain)."""
+    ``losses`` per other domain (before - after; negative: a gain)."""
 
     promote: bool
     reason: str
@@ -51,7 +52,7 @@ class Decision:
 
 def decide(tau: dict[str, dict[str, float]], margin: float, min_gain: float = 0.0) -> Decision:
     """The gate on ``tau`` (domain -> ``{"before", "after"}``, with a ``traffic`` domain): promote when
-    the traffic gain exceeds ``min_gain`` and no original domain loses more than ``margin``."""
+    the traffic gain exceeds ``min_gain`` and no other domain loses more than ``margin``."""
     if TRAFFIC not in tau:
         raise ValueError(f"the tau record has no {TRAFFIC!r} domain (domains: {sorted(tau)})")
     gain = round(tau[TRAFFIC]["after"] - tau[TRAFFIC]["before"], 4)
@@ -64,7 +65,7 @@ def decide(tau: dict[str, dict[str, float]], margin: float, min_gain: float = 0.
         return Decision(False, f"tau on {worst} drops by {over[worst]:.3f}, more than the margin {margin:.3f}",
                         gain, losses)
     worst = max(losses.values(), default=0.0)
-    return Decision(True, f"traffic tau gain {gain:+.3f}; largest loss on an original domain {worst:.3f} "
+    return Decision(True, f"traffic tau gain {gain:+.3f}; largest loss on another domain {worst:.3f} "
                           f"<= margin {margin:.3f}", gain, losses)
 
 

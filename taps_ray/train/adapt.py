@@ -6,8 +6,10 @@
 drafter's original datasets, against forgetting; ``total``: ``adapt.rows``) and variant ``adapt-vN``
 (the source's algorithm and objective, ``train.init_from`` = the source). ``new`` trains a fresh specialist
 on the traffic alone. :func:`run_adapt` trains it with :func:`~taps_ray.train.launch.run_training` into the
-experiment's run folder, then scores the source (before) and the new drafter (after) with the trainer's
-held-out evaluation (:func:`~taps_ray.train.loop.evaluate`: simulated tau from greedy unrolled top-1
+experiment's run folder, then scores the source (before) and the new drafter (after), on the traffic,
+the source's own datasets and every other prepared dataset of the experiment (:func:`gate_domains`,
+``guarded`` in the record: the gate must not let a version lose another served drafter's domain either),
+with the trainer's held-out evaluation (:func:`~taps_ray.train.loop.evaluate`: simulated tau from greedy unrolled top-1
 accuracy, not decoding) on the same held-out rows of the traffic and of each original dataset
 (``train.heldout_rows``, ``heldout_seed``: never trained on). The version folder's ``config.json`` gains
 ``version``, ``parent`` and ``adapt`` (traffic rows used, tau before / after per domain); ``README.md`` is
@@ -79,6 +81,14 @@ def original_datasets(cfg: ExperimentConfig, meta: dict) -> list[str]:
         log.warning("adapt: the config lacks the drafter's dataset(s) %s; mixing in %s only",
                     sorted(set(trained) - set(known)), known)
     return known or [n for n in cfg.data.datasets if n != TRAFFIC]
+
+
+def gate_domains(originals: list[str], prepared) -> list[str]:
+    """The domains the before / after tau is taken on: the traffic, the source's own datasets, then every
+    other prepared dataset of the experiment (the domains the other served drafters cover, which a
+    version must not lose either); each only when its features are in ``prepared``."""
+    own = [n for n in originals if n in prepared and n != TRAFFIC]
+    return [TRAFFIC, *own, *(n for n in prepared if n != TRAFFIC and n not in own)]
 
 
 def next_version(run_dir: Path, meta: dict) -> int:
@@ -159,8 +169,8 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
         raise AdaptError(f"training {variant.name} failed: {result.error}")
     folder = Path(result.drafter_dir)
     sets = load_feature_sets(adapted, fingerprint.to_dict(), {TRAFFIC})
-    domains = [TRAFFIC, *(n for n in original_datasets(cfg, meta) if n in sets)]
-    sets = {n: sets[n] for n in domains}
+    originals = original_datasets(cfg, meta)
+    domains = gate_domains(originals, sets)
     before = heldout_tau(parent, adapted, variant, sets, target)
     after = heldout_tau(DraftHead.load(folder, target.config, fingerprint), adapted, variant, sets, target)
     written = json.loads((folder / "config.json").read_text())
@@ -168,6 +178,7 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
     record = {"traffic": str(traffic_set.path), "traffic_rows": int(counts.get(TRAFFIC, 0)),
               "traffic_rows_captured": traffic_set.rows, "traffic_share": 1.0 if new else share, "new": new,
               "rows": counts, "heldout_rows": adapted.variant_train(variant).heldout_rows,
+              "guarded": [n for n in domains[1:] if n not in originals],
               "tau": {n: {"before": before[n], "after": after[n]} for n in domains}, "tau_kind": TAU_KIND}
     write_json(folder / "config.json", {**written, "version": version, "parent": source, "adapt": record})
     (folder / "README.md").write_text(model_card(variant.name, version, source, record, written))
@@ -195,6 +206,8 @@ def model_card(name: str, version: int, parent: str, record: dict, meta: dict) -
              "## Held-out tau", "",
              f"Tau is the {record['tau_kind']}; each domain's held-out rows are the same for both drafters.", "",
              "| domain | before | after |", "|---|---|---|"]
-    lines += [f"| {n} | {t['before']:.3f} | {t['after']:.3f} |" for n, t in record["tau"].items()]
+    guarded = set(record.get("guarded", ()))
+    lines += [f"| {n}{' (guarded: not a training set)' if n in guarded else ''} | {t['before']:.3f} | "
+              f"{t['after']:.3f} |" for n, t in record["tau"].items()]
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,5 @@
 """The promotion gate and log (pure): a version is promoted only when its held-out traffic tau beats the
-serving version's by more than ``min_gain`` and no original domain loses more than ``margin``."""
+serving version's by more than ``min_gain`` and no other domain loses more than ``margin``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def tau(traffic: tuple[float, float], **originals: tuple[float, float]) -> dict:
 @pytest.mark.parametrize("record_, margin, min_gain, promote, reason", [
     (tau((2.0, 2.4), math=(3.0, 2.98), chat=(2.0, 2.1)), 0.05, 0.0, True, "gain +0.400"),
     (tau((2.0, 2.4), math=(3.0, 2.90)), 0.05, 0.0, False, "tau on math drops by 0.100, more than the margin 0.050"),
-    (tau((2.0, 2.4), math=(3.0, 2.95)), 0.05, 0.0, True, "largest loss on an original domain 0.050"),
+    (tau((2.0, 2.4), math=(3.0, 2.95)), 0.05, 0.0, True, "largest loss on another domain 0.050"),
     (tau((2.0, 2.0), math=(3.0, 3.5)), 0.05, 0.0, False, "traffic tau gain +0.000 is not above +0.000"),
     (tau((2.0, 2.2)), 0.05, 0.3, False, "traffic tau gain +0.200 is not above +0.300"),
     (tau((2.0, 1.9), math=(3.0, 3.0)), 1.0, 0.0, False, "gain -0.100 is not above"),

@@ -17,7 +17,7 @@ from taps_ray import cli
 from taps_ray.config import CaptureConfig, ConfigError, load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash
 from taps_ray.models.drafter import DraftHead
-from taps_ray.train.adapt import TRAFFIC, AdaptError, run_adapt
+from taps_ray.train.adapt import TRAFFIC, AdaptError, gate_domains, model_card, run_adapt
 from tests.serving.test_capture import decode, make_verifier
 from tests.spec.spec_helpers import oracle_drafter
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment, write_features
@@ -67,7 +67,7 @@ def test_adapt_fine_tunes_the_source_at_the_traffic_share_then_trains_a_new_draf
     assert record["rows"] == {"chat": 10, "math": 10, TRAFFIC: 20} and record["traffic_rows"] == 20
     assert record["traffic_rows_captured"] == CAPTURED and record["traffic_share"] == 0.5
     assert meta["mixture"]["counts"] == record["rows"]
-    assert set(record["tau"]) == {TRAFFIC, "math", "chat"}
+    assert set(record["tau"]) == {TRAFFIC, "math", "chat"} and record["guarded"] == []
     for tau in record["tau"].values():
         assert tau["after"] == pytest.approx(tau["before"], abs=1e-3)
     new, old = drafter_tensors(folder), drafter_tensors(source)
@@ -96,6 +96,20 @@ def test_adapt_fine_tunes_the_source_at_the_traffic_share_then_trains_a_new_draf
     assert trained["sha256"] and set(trained["sha256"]) <= {prompt_hash(target.tokenizer.decode(p))
                                                             for p in captured_prompts()}
     assert not np.allclose(drafter_tensors(second_dir)["fc.weight"], new["fc.weight"])
+
+
+def test_the_gate_guards_every_prepared_domain_not_only_the_drafters_own():
+    """A chat drafter adapted beside a served math drafter: the tau record covers the traffic, chat, and
+    math too (guarded), and not a dataset without prepared features."""
+    prepared = {"math": object(), TRAFFIC: object(), "chat": object()}
+    assert gate_domains(["chat", "code"], prepared) == [TRAFFIC, "chat", "math"]
+    assert gate_domains([], {TRAFFIC: object()}) == [TRAFFIC]
+    record = {"new": False, "traffic": "t", "traffic_rows_captured": 40, "heldout_rows": 8, "traffic_rows": 32,
+              "traffic_share": 0.5, "rows": {TRAFFIC: 32, "chat": 32}, "guarded": ["math"], "tau_kind": "sim",
+              "tau": {TRAFFIC: {"before": 1.5, "after": 1.9}, "chat": {"before": 1.6, "after": 1.6},
+                      "math": {"before": 2.0, "after": 1.8}}}
+    card = model_card("adapt-v1", 1, "src", record, {"algorithm": "eagle2"})
+    assert "| math (guarded: not a training set) | 2.000 | 1.800 |" in card and "| chat | 1.600 | 1.600 |" in card
 
 
 def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
