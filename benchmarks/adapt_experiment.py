@@ -21,6 +21,9 @@
    trains, clients keep sending 8 assorted prompts of ``load_test.py`` (in no held-out set): every answer
    must be a 200 and equal in-process vanilla greedy.
 6. After: tau of the version now serving on the same held-out sets.
+7. With ``--control``: the source fine-tuned by the same recipe on its original data alone (traffic share 0,
+   the same frozen traffic folder for its held-out rows), decoded the same way: the gain that the extra
+   training brings without the traffic.
 
 Also counted: the Verifier's target forwards (per batch size) against the verification steps of every
 served request, so capture's features come from no extra target pass. Writes ``result.json`` in ``--out``.
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", default="runs/adapt-experiment")
+    parser.add_argument("--control", action="store_true",
+                        help="also adapt the source on its original data only (traffic share 0) and decode it")
     args = parser.parse_args(argv)
 
     from ray import serve
@@ -202,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     serving = entry.checkpoint if entry.promoted else checkpoint
     after = heldout_taus(target, serving, cfg.tree, sets, args.max_tokens)
     print("after:", {n: t["tau"] for n, t in after.items()}, flush=True)
+    control = None
+    if args.control:
+        from taps_ray.train.adapt import run_adapt
+
+        frozen = sorted((cfg.run_dir / "adapt").glob("traffic-*"))[-1]
+        made = run_adapt(cfg, frozen, checkpoint, share=0.0, target=load_training_target(cfg))
+        control = {"checkpoint": str(made.out), "adapt": made.record,
+                   "tau": heldout_taus(target, str(made.out), cfg.tree, sets, args.max_tokens)}
+        print("control (no traffic):", {n: t["tau"] for n, t in control["tau"].items()}, flush=True)
     records = replay["records"] + during
     forwards = {int(k): v for k, v in info["batches"].items()}
     result = {
@@ -212,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         "promotion": asdict(entry),
         "tau_before": {n: t["tau"] for n, t in before.items()}, "tau_after": {n: t["tau"] for n, t in after.items()},
         "tau_detail": {"before": before, "after": after},
+        "tau_control": None if control is None else {n: t["tau"] for n, t in control["tau"].items()},
+        "control": control,
         "during_adaptation": {"requests": len(during), "ok": sum(r["ok"] for r in during),
                               "identical_to_vanilla": sum(r["ok"] and r["text"] == reference[during_prompts[r["prompt"]]]
                                                           for r in during)},

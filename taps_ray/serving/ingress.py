@@ -10,9 +10,8 @@ count against the context length before prefill (its first streamed event is ``s
 so no HTTP status is committed before that).
 
 Load shedding: an ingress replica passes at most every verifier slot plus
-``serve.max_queued_requests`` requests on to the verifiers (:class:`Admission`, exact: Serve's own
-queue bound on the handle counts loosely under a burst and stays behind it as a second line); a
-request beyond them is answered at once with a 429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
+``serve.max_queued_requests`` requests on to the verifiers (:class:`~taps_ray.serving.admission.Admission`);
+a request beyond them is answered at once with a 429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
 included (504 when it runs out before decoding starts). ``/health`` answers from the ingress alone;
 ``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
 ``/v1/models`` and ``/metrics`` (``taps_drafter_version``) show the drafter version each drafter's replicas
@@ -28,13 +27,11 @@ import json
 import logging
 import math
 import time
-import weakref
 from collections import Counter
-from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,6 +40,7 @@ from taps_ray import ray_compat
 from taps_ray.config import SamplingConfig, ServeConfig
 from taps_ray.serving import access, errors, protocol
 from taps_ray.serving import metrics as serving_metrics
+from taps_ray.serving.admission import Admission, VerifierStream, cancel_call
 from taps_ray.serving.metrics import ServingMetrics
 from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, DecodeRequest, drafter_deployment_name, resolve_plan
 from taps_ray.serving.protocol import (
@@ -135,62 +133,6 @@ def served_versions(stats: list[dict]) -> dict:
     checkpoint = next(r["spec"].get("checkpoint") for r in stats if r["version"] == version)
     return {"version": version, "checkpoint": public_checkpoint(checkpoint),
             "replicas": {str(v): n for v, n in sorted(counts.items())}}
-
-
-def _cancel(events) -> None:
-    """Cancel a verifier call (best effort). ``cancel()`` re-raises a failed assignment's error (a full
-    queue, say): that call is over already, so the error is moot here."""
-    try:
-        events.cancel()
-    except Exception as err:
-        log.debug("cancelling a verifier call: %r", err)
-
-
-class Admission:
-    """The requests this ingress replica has passed to the verifiers and not yet seen end: at most
-    ``capacity``. Used from the replica's event loop only, so a plain counter is exact."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.held = 0
-
-    def admit(self) -> Callable[[], None] | None:
-        """A release function for one more request, or None when ``capacity`` are held. Calling the
-        release more than once releases once."""
-        if self.held >= self.capacity:
-            return None
-        self.held += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.held -= 1
-
-        return release
-
-
-class VerifierStream(StreamingResponse):
-    """A streamed answer that lets go of its admission however it ends, and of the verifier call when
-    its body never started (the client left first): on return from ``__call__``, or, when it is never
-    called, once the response is dropped."""
-
-    def __init__(self, body, events, release: Callable[[], None], started: Callable[[], bool]):
-        super().__init__(body, media_type="text/event-stream")
-        self._end = weakref.finalize(self, _end_stream, events, release, started)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._end()
-
-
-def _end_stream(events, release: Callable[[], None], started: Callable[[], bool]) -> None:
-    release()
-    if not started():
-        _cancel(events)
 
 
 def sse_line(payload: dict) -> str:
@@ -363,7 +305,7 @@ class Ingress:
         finally:
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
-                _cancel(events)
+                cancel_call(events)
         if done is None:
             log.error("request %s (%s): the verifier's stream ended without a result", request.request_id, request.rid)
             self.metrics.failed(500)
@@ -393,21 +335,21 @@ class Ingress:
         try:
             first = await asyncio.wait_for(events.__anext__(), max(request.expires_at - time.time(), 0.0))
         except BackPressureError as err:
-            _cancel(events)
+            cancel_call(events)
             return self._busy(request, repr(err))
         except TimeoutError:
-            _cancel(events)
+            cancel_call(events)
             self.metrics.aborted.labels(self.model_name, "timeout").inc()
             self.metrics.failed(504)
             return JSONResponse(error_body(
                 f"the request timed out after {self.cfg.request_timeout_s:g} s waiting for a decoding slot",
                 "timeout_error", None, "timeout", request.request_id), status_code=504)
         except asyncio.CancelledError:
-            _cancel(events)
+            cancel_call(events)
             self.metrics.aborted.labels(self.model_name, "disconnect").inc()
             raise
         except Exception:
-            _cancel(events)
+            cancel_call(events)
             log.exception("request %s (%s): the verifier could not be reached", request.request_id, request.rid)
             self.metrics.failed(503)
             return JSONResponse(internal_error_body("The model is not available right now", "unavailable",
@@ -498,5 +440,5 @@ class Ingress:
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
                 self.metrics.aborted.labels(self.model_name, "disconnect").inc()
-                _cancel(events)
+                cancel_call(events)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from taps_ray.serving.ingress import Admission, VerifierStream
+from taps_ray.serving.admission import Admission, VerifierStream
 
 
 class FakeEvents:

@@ -1,0 +1,73 @@
+"""Admission to the verifiers, per ingress replica: at most every verifier slot plus
+``serve.max_queued_requests`` requests pass at once (:class:`Admission`), the rest are answered 429 by
+the ingress. The count is exact; Serve's own queue bound on the ingress's handle counts loosely
+under a burst (a CI run saw 27 queued against a bound of 18) and stays behind it as a second line.
+A streamed answer holds its admission until it ends, however it ends (:class:`VerifierStream`)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+
+from fastapi.responses import StreamingResponse
+
+log = logging.getLogger(__name__)
+
+
+def cancel_call(events) -> None:
+    """Cancel a verifier call (best effort). ``cancel()`` re-raises a failed assignment's error (a full
+    queue, say): that call is over already, so the error is moot here."""
+    try:
+        events.cancel()
+    except Exception as err:
+        log.debug("cancelling a verifier call: %r", err)
+
+
+class Admission:
+    """The requests this ingress replica has passed to the verifiers and not yet seen end: at most
+    ``capacity``. Used from the replica's event loop only, so a plain counter is exact."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held = 0
+
+    def admit(self) -> Callable[[], None] | None:
+        """A release function for one more request, or None when ``capacity`` are held. Calling the
+        release more than once releases once."""
+        if self.held >= self.capacity:
+            return None
+        self.held += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held -= 1
+
+        return release
+
+
+class VerifierStream(StreamingResponse):
+    """A streamed answer that lets go of its admission however it ends, and of the verifier call when
+    its body never started (the client left first): on return from ``__call__``, or, when it is never
+    called, once the response is dropped."""
+
+    def __init__(self, body, events, release: Callable[[], None], started: Callable[[], bool]):
+        super().__init__(body, media_type="text/event-stream")
+        self._end = weakref.finalize(self, _end_stream, events, release, started)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()
+
+
+def _end_stream(events, release: Callable[[], None], started: Callable[[], bool]) -> None:
+    release()
+    if not started():
+        cancel_call(events)
+
+
