@@ -36,6 +36,13 @@ def resolve_drafter_dir(spec: str | Path) -> Path:
     return RELEASE_DIR / name
 
 
+def absolute_drafter_spec(spec: str) -> str:
+    """``spec`` as a worker in another working directory can load it: ``release:NAME`` as it is, a folder
+    as its absolute path (resolved against this process's working directory)."""
+    text = str(spec)
+    return text if text.startswith(RELEASE_PREFIX) else str(Path(text).expanduser().resolve())
+
+
 def default_release_drafter(role: str) -> str | None:
     """``release:ROLE`` when that drafter is shipped, else None."""
     return f"{RELEASE_PREFIX}{role}" if role in release_names() else None

@@ -144,11 +144,13 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
     ``share`` overrides ``adapt.traffic_share``; ``out``: also copy the version folder there."""
     from taps_ray.data.feature_sets import load_feature_sets
     from taps_ray.models.drafter import DrafterLoadError, DraftHead
+    from taps_ray.models.release import absolute_drafter_spec
     from taps_ray.train.launch import load_training_target, run_training
 
     if new and share is not None and share != 1.0:
         raise AdaptError(f"--new trains on the traffic only; a traffic share of {share} does not apply (leave it out)")
     share = check_share(cfg.adapt.traffic_share if share is None else share)
+    source = absolute_drafter_spec(source)
     target = target or load_training_target(cfg)
     fingerprint = target.fingerprint
     try:

@@ -24,6 +24,7 @@ from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
+from taps_ray.models.release import absolute_drafter_spec
 from taps_ray.runstate import atomic_copy
 from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
 from taps_ray.train.shards import FEATURE_COLUMNS, plan_blocks
@@ -190,7 +191,7 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "weights": weights,
         "draft_to_target": plan.draft_to_target,
         "drafter_seed": cfg.drafter.seed,
-        "init_from": train.init_from,
+        "init_from": None if train.init_from is None else absolute_drafter_spec(train.init_from),
         "train_rows": plan.rows,
         "datasets": sorted(plan.selection.rows),
         "blocks": plan_blocks({n: sets[n].shard_paths() for n in plan.selection.rows}, plan.selection.rows,

@@ -57,11 +57,15 @@ def test_adapt_fine_tunes_the_source_at_the_traffic_share_then_trains_a_new_draf
     monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
     # a learning rate of 1e-9 keeps the weights where training started: they must be the source's
     cfg = load_config(path, ["train.lr=1e-9", "train.epochs=1"])
-    result = run_adapt(cfg, traffic, str(source), share=0.5, out=tmp / "v1")
+    # the source as a relative path: the Train worker runs in another working directory, so the driver
+    # must hand it an absolute one
+    monkeypatch.chdir(source.parent)
+    result = run_adapt(cfg, traffic, source.name, share=0.5, out=tmp / "v1")
     assert result.version == 1 and result.out == tmp / "v1"
     folder = cfg.run_dir / "drafters" / "adapt-v1"
     meta = json.loads((folder / "config.json").read_text())
-    assert meta["version"] == 1 and meta["parent"] == str(source) and meta["init_from"] == str(source)
+    absolute = str(source.resolve())
+    assert meta["version"] == 1 and meta["parent"] == absolute and meta["init_from"] == absolute
     record = meta["adapt"]
     # pools: traffic 20, math 30, chat 30; share 0.5 -> all 20 traffic rows, 10 + 10 original rows
     assert record["rows"] == {"chat": 10, "math": 10, TRAFFIC: 20} and record["traffic_rows"] == 20
