@@ -69,5 +69,3 @@ def _end_stream(events, release: Callable[[], None], started: Callable[[], bool]
     release()
     if not started():
         cancel_call(events)
-
-
