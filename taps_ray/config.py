@@ -38,6 +38,9 @@ class TargetConfig(Strict):
         "cap on the target's context window in tokens (None: its max_position_embeddings)"))
     threads: int | None = Field(default=None, ge=1, description=(
         "torch threads of a CPU target in this process (None: torch's default)"))
+    engine: Literal["auto", "static", "hf"] = Field(default="auto", description=(
+        "auto: the static-cache engine (models/engine.py) for Llama, Mistral, Qwen2/3 and Phi-3 targets, "
+        "transformers' forward for other families; static: require it; hf: always transformers' forward"))
 
     @field_validator("device")
     @classmethod

@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
+from taps_ray.models.engine import KVCache, Segment
 from taps_ray.models.target import TargetModel, TargetOutput
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.tree import DraftCompute, draft_log_probs
@@ -118,6 +119,8 @@ def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetO
     sizes = [call.tokens.numel() for call in calls]
     if min(lengths) == 0:
         raise ValueError("forward_batch extends prefilled caches; a call has an empty cache (prefill it alone)")
+    if all(isinstance(call.cache, KVCache) for call in calls):
+        return _forward_packed(target, calls, sizes)
     caches = [call.cache for call in calls]
     mask = _batch_mask([call.mask for call in calls], lengths, sizes, target.dtype, target.device)
     cache = _padded_cache(caches, lengths)
@@ -127,6 +130,17 @@ def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetO
     _extend(caches, cache, max(lengths), sizes)
     return [TargetOutput(logits=logits[row][None], hidden=hidden[row:row + 1, :n], cache=call.cache)
             for row, (call, n) in enumerate(zip(calls, sizes))]
+
+
+def _forward_packed(target: TargetModel, calls: list[ForwardCall], sizes: list[int]) -> list[TargetOutput]:
+    """:func:`forward_batch` on the static engine: the calls' tokens packed [T], each attending over its
+    own cache (no padding, no cache copies)."""
+    segments = [Segment(call.cache, n, call.mask) for call, n in zip(calls, sizes)]
+    hidden = target.forward_segments(torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls]),
+                                     segments)
+    logits = target.logits(hidden).split(sizes)
+    return [TargetOutput(logits=rows[None], hidden=part[None], cache=call.cache)
+            for call, rows, part in zip(calls, logits, hidden.split(sizes))]
 
 
 @dataclass

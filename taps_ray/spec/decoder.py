@@ -260,7 +260,7 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     token already ends the request."""
     target, max_new_tokens = request.target, request.max_new_tokens
     prompt_len = request.prompt_len = ids.numel()
-    request.cache = target.new_cache()
+    request.cache = target.new_cache(prompt_len + max_new_tokens + 64)
     out = target.prefill(ids[None], request.cache)
     if request.feature_sink is not None:
         request.feature_sink.append(out.hidden[0])

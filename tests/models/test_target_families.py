@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from taps_ray.config import TreeConfig
 from taps_ray.models.attention import GQA_SDPA
 from taps_ray.models.drafter import DraftHead
+from taps_ray.models.engine import KVCache
 from taps_ray.models.target import TargetLoadError, TargetModel, compact_cache, crop_cache
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
@@ -67,6 +68,7 @@ FAMILIES = {
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=WINDOW, pad_token_id=0, tie_word_embeddings=False)),
 }
 SOFTCAP = {"gemma2", "gemma3"}
+STATIC = {"llama3", "qwen2.5", "qwen2.5-sliding", "qwen3", "mistral", "phi3"}
 TREE = TreeConfig(depth=3, top_k=3, total_tokens=10)
 
 
@@ -99,7 +101,13 @@ def test_attention_and_windows(family):
     window = FAMILIES[family][2].get("sliding_window")
     kinds = getattr(target.config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * 2
     assert target.windows == [window if kind == "sliding_attention" else None for kind in kinds]
-    assert all(type(layer) is DynamicLayer for layer in _filled_cache(target).layers)
+    cache = _filled_cache(target)
+    if family in STATIC:
+        assert target.engine is not None and isinstance(cache, KVCache)
+        assert all(layer.keys.shape[-2] == 3 * WINDOW for layer in cache.layers)
+    else:
+        assert target.engine is None
+        assert all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def _filled_cache(target: TargetModel) -> DynamicCache:
@@ -180,6 +188,38 @@ def test_compaction_matches_fresh_prefill(family, peaky_target, prefix):
     for (k, v), (fk, fv) in zip(_layer_kv(cache), _layer_kv(fresh.cache), strict=True):
         torch.testing.assert_close(k, fk[..., :r, :])
         torch.testing.assert_close(v, fv[..., :r, :])
+
+
+@pytest.mark.parametrize("family", sorted(STATIC))
+def test_static_engine_equals_transformers_forward(family):
+    """The static engine's prefill, plain steps and tree step give transformers' logits (fp32), and its
+    compacted cache the same entries as the transformers cache compacted alike."""
+    static = make_peaky(family_target(family))
+    reference = make_peaky(TargetModel(family_model(family), None, family, engine="hf"))
+    assert static.engine is not None and reference.engine is None
+    prompt = random_prompt(static, 3 * WINDOW + 1, seed=6)
+    ours, theirs = static.prefill(prompt[None]), reference.prefill(prompt[None])
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    p = prompt.numel()
+    for i in range(3):
+        token, position = prompt[None, i:i + 1], torch.tensor([[p + i]])
+        ours = static.forward(token, position, ours.cache)
+        theirs = reference.forward(token, position, theirs.cache)
+        torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    tree = build_tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 3], prefix_len=p + 3)
+    ours, theirs = run_tree(static, tree, ours.cache), run_tree(reference, tree, theirs.cache)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-4)
+    keep = torch.tensor([0, 1, 3])
+    compact_cache(ours.cache, p + 3, keep)
+    compact_cache(theirs.cache, p + 3, keep)
+    for (k, v), (rk, rv) in zip(_layer_kv(ours.cache), _layer_kv(theirs.cache), strict=True):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_static_engine_is_refused_where_it_cannot_run():
+    with pytest.raises(TargetLoadError, match=r"engine=static, but family 'gemma2'"):
+        TargetModel(family_model("gemma2"), None, "gemma", engine="static")
 
 
 def test_sliding_window_cache_is_refused_by_crop_and_compact():

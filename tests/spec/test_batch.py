@@ -139,6 +139,8 @@ def test_a_failing_batch_fails_every_request_in_it(peaky_target):
         def forward_hidden(self, *args, **kwargs):
             raise RuntimeError("device lost")
 
+        forward_segments = forward_hidden
+
     batcher = ForwardBatcher(Broken(), max_batch=2, wait_s=1.0)
     errors = []
     barrier = threading.Barrier(2)

@@ -1,0 +1,311 @@
+"""The target's own decoder forward over a preallocated KV cache: the "static" engine.
+
+transformers' forward is general and pays for it on every step: a cache object per layer that
+concatenates, mask construction, hooks and a dozen small ops per projection. For the families whose
+layers are a plain pre-norm Llama block (Llama, Llama-3, Mistral, Qwen2/2.5, Qwen3, Phi-3) this module
+runs the same arithmetic directly on the model's own weights:
+
+- q/k/v and gate/up are fused into one matrix each (the HF modules' weights become views of them, so
+  the two forwards share storage and any in-place change to a weight reaches both);
+- :class:`KVCache` preallocates every layer's keys and values, ``[L, kv_heads, C, d]``, with an explicit
+  ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
+  back, and compaction after tree verification gathers the accepted entries by index;
+- a batch of several requests' steps runs packed: one matmul per projection over all their tokens
+  ``[T = sum n_i, H]``, attention per request on that request's own cache (no padding, no copies).
+
+Shapes: ``n`` new tokens of one request, ``P`` its cached length, ``T`` tokens of a packed batch,
+``H`` hidden, ``h``/``g`` query/kv heads, ``d`` head dim, ``L`` layers, ``C`` cache capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+class KVCache:
+    """One request's keys and values for every layer, preallocated: ``keys``/``values`` [L, g, C, d];
+    entries ``0 .. length - 1`` are valid. The capacity doubles when a step needs more (amortised)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 256):
+        shape = (layers, kv_heads, max(1, capacity), head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more entries after ``length``."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        shape = (*self.keys.shape[:2], max(need, 2 * self.capacity), self.keys.shape[3])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(shape)
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def crop(self, length: int) -> None:
+        """Keep entries ``0 .. length - 1``."""
+        self.length = min(self.length, max(0, length))
+
+    def compact(self, prefix_len: int, keep: torch.Tensor) -> None:
+        """Keep the prefix plus the entries at ``prefix_len + keep`` (``keep`` [k] ascending), moved to
+        ``prefix_len .. prefix_len + k - 1``: one gather and one write for all layers."""
+        index = keep.to(device=self.keys.device, dtype=torch.long) + prefix_len
+        k = index.numel()
+        for tensor in (self.keys, self.values):
+            tensor[:, :, prefix_len:prefix_len + k] = tensor.index_select(2, index)
+        self.length = prefix_len + k
+
+    @property
+    def layers(self) -> list[CacheLayer]:
+        """Per layer, views of its valid keys and values [1, g, length, d] (read-only use)."""
+        return [CacheLayer(self.keys[i, None, :, :self.length], self.values[i, None, :, :self.length])
+                for i in range(self.keys.shape[0])]
+
+
+@dataclass
+class CacheLayer:
+    """One layer's valid cache entries: ``keys``/``values`` [1, g, P, d]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class Segment:
+    """One request's part of a packed forward: ``n`` tokens on top of ``cache`` with an additive ``mask``
+    [n, P + n] (None: causal among themselves)."""
+
+    cache: KVCache
+    n: int
+    mask: torch.Tensor | None = None
+
+
+def static_support(model) -> str | None:
+    """Why the static engine cannot run ``model`` exactly as its own forward does, or None when it can."""
+    config = model.config.get_text_config(decoder=True)
+    family = getattr(config, "model_type", "")
+    if family not in STATIC_FAMILIES:
+        return f"family {family!r} is not one of {', '.join(STATIC_FAMILIES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (silu only)"
+    base = model.base_model
+    layer = base.layers[0]
+    attn = layer.self_attn
+    if not hasattr(attn, "qkv_proj") and not all(hasattr(attn, f"{x}_proj") for x in "qkv"):
+        return "attention without q/k/v projections"
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0) and family != "phi3":
+        return "partial rotary embeddings"
+    if any(hasattr(attn, name) for name in ("sinks", "s_aux")):
+        return "attention sinks"
+    return None
+
+
+def _fuse(parts: list[torch.nn.Linear], column_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum out, in] (and bias) from ``parts``; each part's weight becomes a view of it.
+    ``column_major``: stored as its transpose [in, sum out] (see :func:`column_major`)."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    if column_major:
+        weight = weight.t().contiguous().t()
+    biases = [p.bias for p in parts]
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(p.out_features)
+                          for p, b in zip(parts, biases)])
+    else:
+        bias = None
+    start = 0
+    for p in parts:
+        stop = start + p.out_features
+        p.weight.data = weight[start:stop]
+        if p.bias is not None:
+            p.bias.data = bias[start:stop]
+        start = stop
+    return weight, bias
+
+
+def column_major(linear: torch.nn.Linear) -> None:
+    """Store ``linear``'s weight [out, in] as a view of its contiguous transpose [in, out], in place.
+
+    On CPU in float32 a product with one to four rows (a plain step, a small batch) reads weights stored
+    this way markedly faster (MKL's sgemm on [M, in] x [in, out]; docs/BENCHMARKS.md "engine"), and the
+    same from eight rows up; half-precision products are much slower this way, so they keep [out, in].
+    """
+    weight = linear.weight
+    if weight.t().is_contiguous():
+        return
+    weight.data = weight.detach().t().contiguous().t()
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.nn.Module
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o_proj: torch.nn.Linear
+    norm_post: torch.nn.Module
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.nn.Linear
+    window: int | None
+
+
+class StaticEngine:
+    """The decoder forward of ``model`` (a family :func:`static_support` accepts) on :class:`KVCache` caches.
+
+    ``windows``: per layer, its sliding window (None: full attention), as the target applies them.
+    """
+
+    def __init__(self, model, windows: list[int | None]):
+        reason = static_support(model)
+        if reason is not None:
+            raise ValueError(f"the static engine cannot run this target: {reason}")
+        base = model.base_model
+        config = model.config.get_text_config(decoder=True)
+        self.base = base
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        attn0 = base.layers[0].self_attn
+        self.head_dim = getattr(attn0, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.column_major = self.device.type == "cpu" and self.dtype == torch.float32
+        self._head_key: tuple | None = None
+        self._head: torch.Tensor | None = None
+        self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
+
+    def _layer(self, layer, window: int | None) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv, qkv_bias = _fuse(fused, self.column_major)
+        fused = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        gate_up, gate_up_bias = _fuse(fused, self.column_major)
+        if self.column_major:
+            column_major(attn.o_proj)
+            column_major(mlp.down_proj)
+        return _Layer(layer.input_layernorm, qkv, qkv_bias, getattr(attn, "q_norm", None),
+                      getattr(attn, "k_norm", None), attn.o_proj, layer.post_attention_layernorm, gate_up,
+                      gate_up_bias, mlp.down_proj, window)
+
+    def head_columns(self, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head ``weight`` [V, H] as a contiguous [H, V] copy, made again whenever the weight is
+        replaced or changed in place (its ``_version``)."""
+        key = (id(weight), weight._version)
+        if self._head_key != key:
+            self._head = weight.detach().t().contiguous()
+            self._head_key = key
+        return self._head
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Last hidden states [T, H] (after the final norm) of ``tokens`` [T] at ``positions`` [T], the
+        segments' tokens one after another; each segment's cache is extended by its n entries."""
+        for seg in segments:
+            seg.cache.reserve(seg.n)
+        x = self.base.embed_tokens(tokens)[None]
+        cos, sin = self.base.rotary_emb(x, positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        x = x[0]
+        masks = [self._masks(seg, positions[start:start + seg.n])
+                 for seg, start in zip(segments, _starts(segments))]
+        h, g, d = self.heads, self.kv_heads, self.head_dim
+        for index, layer in enumerate(self.layers):
+            qkv = F.linear(layer.norm_in(x), layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
+            q, k, v = q.view(-1, h, d), k.view(-1, g, d), v.view(-1, g, d)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            out = torch.empty_like(q)
+            for seg, start, mask in zip(segments, _starts(segments), masks):
+                out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
+                                                        k[start:start + seg.n], v[start:start + seg.n], mask)
+            x = x + layer.o_proj(out.view(-1, h * d))
+            gate, up = F.linear(layer.norm_post(x), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        for seg in segments:
+            seg.cache.length += seg.n
+        return self.base.norm(x)
+
+    def _attend(self, index: int, layer: _Layer, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                masks: dict) -> torch.Tensor:
+        """Write the segment's k/v [n, g, d] at its cache's end, attend its q [n, h, d] over the cache:
+        [n, h, d]."""
+        cache, past = seg.cache, seg.cache.length
+        end = past + seg.n
+        cache.keys[index, :, past:end] = k.transpose(0, 1)
+        cache.values[index, :, past:end] = v.transpose(0, 1)
+        mask = masks["sliding" if layer.window is not None else "full"]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], cache.keys[index, None, :, :end], cache.values[index, None, :, :end],
+            attn_mask=mask, is_causal=masks["causal"] and layer.window is None, scale=self.scale,
+            enable_gqa=self.heads != self.kv_heads)
+        return out[0].transpose(0, 1)
+
+    def _masks(self, seg: Segment, positions: torch.Tensor) -> dict:
+        """The additive masks [n, P + n] of ``seg`` for full and sliding layers (None where attention
+        needs none), and whether full layers may use SDPA's own causal mask (no cache yet, no mask)."""
+        past, n = seg.cache.length, seg.n
+        windows = {layer.window for layer in self.layers if layer.window is not None}
+        mask = seg.mask
+        causal = mask is None and past == 0 and n > 1
+        if mask is None and n > 1 and (past > 0 or windows):
+            mask = _causal_mask(n, past, self.dtype, self.device)
+        full = None if causal else mask
+        if not windows:
+            return {"full": full, "sliding": None, "causal": causal}
+        window = windows.pop()
+        base = mask if mask is not None else torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+        keys = torch.cat([torch.arange(past, device=self.device), positions])
+        outside = (positions[:, None] - keys[None, :]) >= window
+        sliding = base.masked_fill(outside, torch.finfo(self.dtype).min)
+        return {"full": full, "sliding": sliding, "causal": causal}
+
+
+def _starts(segments: list[Segment]) -> list[int]:
+    starts, offset = [], 0
+    for seg in segments:
+        starts.append(offset)
+        offset += seg.n
+    return starts
+
+
+def _causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask [n, past + n] of n new tokens after ``past`` cached entries."""
+    mask = torch.zeros(n, past + n, dtype=dtype, device=device)
+    future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+    mask[:, past:] = mask[:, past:].masked_fill(future, torch.finfo(dtype).min)
+    return mask
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [T, heads, d] with ``cos``/``sin`` [T, 1, r] on its first r dims."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + _rotate_half(head) * sin, tail], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
