@@ -64,6 +64,9 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="output folder (default: <output_dir>/<name>/bench)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate baselines")
+    parser.add_argument("--peer", action="append", default=[], choices=["llamacpp"],
+                        help="also time a peer engine as a speed row (llamacpp: plain llama.cpp on the target's GGUF "
+                             "with the same threads; needs the bench extra). Repeatable")
     parser.add_argument("--sweep", action="store_true", help="also sweep tree total_tokens x depth")
     parser.add_argument("--sweep-total", default="4,8,16,32", help="total_tokens values of the sweep")
     parser.add_argument("--sweep-depth", default="1,2,4", help="depth values of the sweep")
@@ -98,6 +101,18 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     target = TargetModel.load(cfg.target)
     print(f"taps bench: target dtype {target.dtype_note}", file=sys.stderr)
+    if args.peer:
+        from taps_ray.eval.peers import PeerError, gguf_file
+
+        try:
+            import llama_cpp  # noqa: F401
+
+            gguf_file(target)
+        except ImportError:
+            raise UserError("--peer llamacpp needs llama-cpp-python: pip install -e '.[bench]' (it builds "
+                            "llama.cpp with this machine's compiler)") from None
+        except PeerError as err:
+            raise UserError(str(err)) from None
     drafter_name = args.drafter or default_release_drafter("math")
     drafter = load_drafters(target, [drafter_name] if drafter_name else [], cfg.drafter.seed)[0]
     reference = None
@@ -110,7 +125,7 @@ def run_bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
     report = bench.run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
                              sweep_total=totals, sweep_depth=depths, sweep_lookup=lookups, sampling=sampling,
-                             reference=reference,
+                             reference=reference, peers=args.peer,
                              settings={"benchmark": args.benchmark, "drafter": drafter_name or "untrained (fresh init)"})
     json_path, md_path = bench.write_report(report, args.out or cfg.run_dir / "bench")
     print(report.to_markdown())

@@ -1,8 +1,8 @@
 """Decode-speed benchmark of one target on the same prompts, in one run.
 
 Methods: ``vanilla`` (our plain decoding through ``TargetModel.forward``), ``hf-greedy`` (HF
-``generate``), ``hf-prompt-lookup`` (HF prompt-lookup decoding) and ``spec`` (our speculative
-decoding with one drafter). Methods run interleaved prompt by prompt so background load hits them
+``generate``), ``hf-prompt-lookup`` (HF prompt-lookup decoding), ``spec`` (our speculative
+decoding with one drafter) and optional peers (``llamacpp``: :mod:`taps_ray.eval.peers`). Methods run interleaved prompt by prompt so background load hits them
 alike. Each run is timed twice: wall clock (the real speed) and process CPU time, which other
 load on a shared machine barely inflates when torch runs one thread (with more threads CPU time
 sums over them). Speedups are ratios to ``vanilla``; ``match`` is the share of prompts whose greedy
@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.eval.exactness import ExactnessReport, account
+from taps_ray.eval.peers import peer_method
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
@@ -35,6 +36,7 @@ from taps_ray.spec.decoder import generate, prompt_ids
 from taps_ray.spec.protocol import SingleStrategy
 
 PROMPT_LOOKUP_TOKENS = 10
+PEER_NOTE = "speed reference: the GGUF's own low-bit kernels, not an exactness row"
 NAN = float("nan")
 
 
@@ -160,6 +162,9 @@ class BenchReport:
             f"drafter: {s['drafter']}; tree: {s['tree']}. CPU columns use process time (robust to other "
             f"load with one torch thread).",
             "",
+            *([f"Engine: {s['engine']}. Vanilla: {s['vanilla_ms_per_token']} ms per token (wall, prefill included) "
+               f"against a weight-read floor of {s['weight_read_ms']} ms ({s['weight_mb']} MB at {s['read_gb_per_s']} "
+               f"GB/s, measured in this run): {s['vanilla_vs_floor']}x the floor.", ""] if "engine" in s else []),
             "| method | tokens | tok/s | speedup | tok/CPU-s | CPU speedup | tau | tau (per question) "
             "| step CPU ms | match vanilla | note |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -194,6 +199,23 @@ class BenchReport:
                           f"(CPU speedup {best['cpu_speedup']:.2f}x, tau "
                           f"{_fmt(best['tau'])}, break-even tau {best['break_even_tau']:.2f})."]
         return "\n".join(lines) + "\n"
+
+
+def weight_read_floor(target: TargetModel, repeats: int = 10) -> dict:
+    """The memory-bandwidth floor of a plain step: the fastest of ``repeats`` passes that read every weight of
+    the target once (a sum per tensor, tied tensors once): ``{"weight_mb", "read_ms", "gb_per_s"}``."""
+    params = list({id(p): p for p in target.model.parameters()}.values())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            for p in params:
+                p.sum()
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            best = min(best, time.perf_counter() - start)
+    return {"weight_mb": round(nbytes / 1e6, 1), "read_ms": round(1e3 * best, 2), "gb_per_s": round(nbytes / best / 1e9, 1)}
 
 
 def tree_note(tree: TreeConfig) -> str:
@@ -258,8 +280,10 @@ def run_bench(
     settings: dict | None = None,
     sampling: SamplingConfig | None = None,
     reference: TargetModel | None = None,
+    peers: list[str] | None = None,
 ) -> BenchReport:
-    """Vanilla, HF greedy, HF prompt lookup and ``spec`` (one drafter, ``tree``) on ``prompts``.
+    """Vanilla, HF greedy, HF prompt lookup, ``spec`` (one drafter, ``tree``) and each of ``peers``
+    (:mod:`taps_ray.eval.peers`: other engines as speed references, greedy only) on ``prompts``.
 
     Greedy runs are accounted for exactness (:mod:`taps_ray.eval.exactness`) against vanilla, with
     ``reference`` (a float32 copy of ``target``) measuring the gaps when ``target`` is not float32.
@@ -272,8 +296,11 @@ def run_bench(
         methods["hf-greedy"] = hf_generate(target, max_new_tokens)
         methods["hf-prompt-lookup"] = hf_generate(target, max_new_tokens, PROMPT_LOOKUP_TOKENS)
     methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens, sampling)
-    runs = run_methods(prompts, methods)
     notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}", "spec": tree_note(tree)}
+    for name in (peers or []) if greedy else []:
+        methods[name] = peer_method(name, target, max_new_tokens)
+        notes[name] = f"{PEER_NOTE}, {torch.get_num_threads()} threads"
+    runs = run_methods(prompts, methods)
     rows = [summarize_runs(name, method_runs, notes.get(name, "")) for name, method_runs in runs.items()]
     base = rows[0]
     for row in rows:
@@ -295,8 +322,14 @@ def run_bench(
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_before": load_before, "load_after": round(os.getloadavg()[0], 2), **(settings or {}),
     }
+    floor = weight_read_floor(target)
+    plain_ms = 1e3 * sum(r.seconds for r in runs["vanilla"]) / max(1, sum(r.steps + 1 for r in runs["vanilla"]))
+    info.update(engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
+                weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
+                vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
     outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}
-    exactness = account(target, reference, prompts, outputs) if greedy else None
+    ours_only = {name: tokens for name, tokens in outputs.items() if name not in (peers or [])}
+    exactness = account(target, reference, prompts, ours_only) if greedy else None
     return BenchReport(info, rows, sweep, outputs, exactness)
 
 

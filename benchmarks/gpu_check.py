@@ -1,0 +1,191 @@
+"""The decoding core on an accelerator, with no hub: a random-weight Llama target, both engines.
+
+    python benchmarks/gpu_check.py                      # ~1B Llama, bf16 on CUDA (float32 on CPU)
+    python benchmarks/gpu_check.py --size tiny --device cpu --dtype float32   # what the test suite runs
+
+For each target engine (``static``: models/engine.py; ``hf``: transformers' forward) it checks that
+greedy speculative decoding with an oracle drafter (the target's own continuation as a chain, with
+decoy siblings) gives vanilla's tokens exactly, times vanilla against that oracle (the speedup a
+perfect drafter would give on this device: the engine's ceiling), and measures the verification cost
+of n tree nodes relative to one plain step, n = 1..64. Prints one JSON object (``--out`` writes it too).
+CUDA graphs (``torch.compile`` reduce-overhead) are not part of the engine yet; the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from taps_ray.models.target import TargetModel, crop_cache, resolve_device_dtype
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import DecodeState
+from taps_ray.spec.tree import DraftTree, build_tree
+
+SIZES = {
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+}
+NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def random_target(size: str, device: torch.device, dtype: torch.dtype, engine: str, seed: int = 0) -> TargetModel:
+    """A random-weight Llama of ``size`` (:data:`SIZES`) on ``device`` in ``dtype``, its layers scaled so that
+    greedy text varies (random init alone repeats one token), EOS never emitted (its LM-head row is zero)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SIZES[size], bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.model.layers.parameters():
+            if param.dim() == 2:
+                param.mul_(8.0)
+        model.lm_head.weight.normal_(0, 4.0 / config.hidden_size ** 0.5)
+        model.lm_head.weight[1] = 0
+    model.to(device=device, dtype=dtype)
+    return TargetModel(model, None, f"random-llama-{size}", engine=engine)
+
+
+class ChainOracle:
+    """Proposes the target's own continuation ``reference`` (prompt + vanilla output) as a chain of ``depth``
+    nodes, each with a decoy sibling, so a step accepts ``depth`` tokens unless the reference runs out."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], vocab_size: int, depth: int):
+        self.reference, self.vocab_size, self.depth = reference, vocab_size, depth
+
+    def start(self, target, tokens, features):
+        pass
+
+    def advance(self, tokens, features):
+        pass
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        length = state.tokens.numel()
+        truth = self.reference[length:length + self.depth]
+        rng = random.Random(length)
+        tokens, parents = [int(state.tokens[-1])], [-1]
+        for token in truth:
+            chain_parent = len(tokens) - 1 if len(tokens) == 1 else len(tokens) - 2
+            decoy = token
+            while decoy == token:
+                decoy = rng.randrange(2, self.vocab_size)
+            tokens += [token, decoy]
+            parents += [chain_parent, chain_parent]
+        return build_tree(tokens, parents, prefix_len=state.prefix_len)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(device: torch.device, call) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    call()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def verification_cost(target: TargetModel, prefix: int, nodes=NODES, repeats: int = 5) -> dict[int, float]:
+    """Milliseconds of one verification forward (logits included) of n chain nodes after ``prefix`` cached
+    tokens, for each n in ``nodes`` (median of ``repeats``)."""
+    ids = torch.randint(2, target.vocab_size, (1, prefix), device=target.device)
+    cache = target.new_cache(prefix + max(nodes))
+    target.prefill(ids, cache)
+    out = {}
+    for n in nodes:
+        tree = build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix)
+        mask = torch.cat([tree.mask.new_ones(n, prefix), tree.mask], 1)
+        additive = torch.zeros(mask.shape, dtype=target.dtype, device=target.device)
+        additive = additive.masked_fill(~mask.to(target.device), torch.finfo(target.dtype).min)[None, None]
+        tokens, positions = tree.tokens[None].to(target.device), tree.positions[None].to(target.device)
+
+        def once(tokens=tokens, positions=positions, mask=additive if n > 1 else None):
+            target.logits(target.forward_hidden(tokens, positions, cache, mask))
+            crop_cache(cache, prefix)
+
+        once()
+        times = sorted(_seconds(target.device, once) for _ in range(repeats))
+        out[n] = 1e3 * times[len(times) // 2]
+    return out
+
+
+def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: int) -> dict:
+    """Greedy vanilla against the chain oracle on one random prompt: exactness, tau, speeds."""
+    prompt = torch.randint(2, target.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    generate(target, prompt, None, max_new_tokens=4, eos_token_ids=set())
+    holder = {}
+
+    def run_vanilla():
+        holder["vanilla"] = generate(target, prompt, None, max_new_tokens=new_tokens, eos_token_ids=set())
+
+    vanilla_s = _seconds(target.device, run_vanilla)
+    vanilla = holder["vanilla"]
+    oracle = ChainOracle(prompt.tolist() + vanilla.token_ids, target.vocab_size, depth)
+    generate(target, prompt, oracle, max_new_tokens=4, eos_token_ids=set())
+
+    def run_spec():
+        holder["spec"] = generate(target, prompt, oracle, max_new_tokens=new_tokens, eos_token_ids=set())
+
+    spec_s = _seconds(target.device, run_spec)
+    spec = holder["spec"]
+    return {"greedy_identical": spec.token_ids == vanilla.token_ids, "tokens": len(vanilla.token_ids),
+            "oracle_tau": round(spec.tau, 3), "vanilla_tok_s": round(len(vanilla.token_ids) / vanilla_s, 2),
+            "oracle_tok_s": round(len(spec.token_ids) / spec_s, 2), "oracle_speedup": round(vanilla_s / spec_s, 3)}
+
+
+def run(size: str = "1b", device: str = "auto", dtype: str = "auto", new_tokens: int = 64, prompt_len: int = 128,
+        depth: int = 5, engines: tuple[str, ...] = ("static", "hf"), nodes=NODES) -> dict:
+    """The whole check (see the module docstring) as a dict."""
+    dev, dt = resolve_device_dtype(device, dtype)
+    report = {"size": size, "device": str(dev), "dtype": str(dt).removeprefix("torch."), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+              "cuda_graphs": "not implemented in the engine yet", "engines": {}}
+    for engine in engines:
+        start = time.perf_counter()
+        target = random_target(size, dev, dt, engine)
+        load_s = time.perf_counter() - start
+        result = check_engine(target, prompt_len, new_tokens, depth)
+        cost = verification_cost(target, prompt_len, nodes)
+        result["verify_ms"] = {n: round(ms, 3) for n, ms in cost.items()}
+        result["verify_cost_vs_plain"] = {n: round(ms / cost[1], 3) for n, ms in cost.items()}
+        result["load_s"] = round(load_s, 2)
+        report["engines"][engine] = result
+        del target
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    report["all_identical"] = all(r["greedy_identical"] for r in report["engines"].values())
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=5, help="oracle chain length per step")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    report = run(args.size, args.device, args.dtype, args.new_tokens, args.prompt_len, args.depth)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if report["all_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
