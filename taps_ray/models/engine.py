@@ -7,6 +7,7 @@ runs the same arithmetic directly on the model's own weights:
 
 - q/k/v and gate/up are fused into one matrix each (the HF modules' weights become views of them, so
   the two forwards share storage and any in-place change to a weight reaches both);
+- on CPU in float32 every product runs through oneDNN on a prepacked copy of its weight (:class:`Linear`);
 - :class:`KVCache` preallocates every layer's keys and values, ``[L, kv_heads, C, d]``, with an explicit
   ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
   back, and compaction after tree verification gathers the accepted entries by index;
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+PACK_ROWS = 16
 
 
 class KVCache:
@@ -115,12 +117,11 @@ def static_support(model) -> str | None:
     return None
 
 
-def _fuse(parts: list[torch.nn.Linear], column_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight [sum out, in] (and bias) from ``parts``; each part's weight becomes a view of it.
-    ``column_major``: stored as its transpose [in, sum out] (see :func:`column_major`)."""
+def _fuse(parts: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum out, in] (and bias) from ``parts``; each part's weight becomes a view of it."""
+    if len(parts) == 1:
+        return parts[0].weight, parts[0].bias
     weight = torch.cat([p.weight.detach() for p in parts])
-    if column_major:
-        weight = weight.t().contiguous().t()
     biases = [p.bias for p in parts]
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else weight.new_zeros(p.out_features)
@@ -137,31 +138,47 @@ def _fuse(parts: list[torch.nn.Linear], column_major: bool) -> tuple[torch.Tenso
     return weight, bias
 
 
-def column_major(linear: torch.nn.Linear) -> None:
-    """Store ``linear``'s weight [out, in] as a view of its contiguous transpose [in, out], in place.
+class Linear:
+    """``x [T, in] -> x @ weight.T + bias``; on CPU, through oneDNN with the weight prepacked once.
 
-    On CPU in float32 a product with one to four rows (a plain step, a small batch) reads weights stored
-    this way markedly faster (MKL's sgemm on [M, in] x [in, out]; docs/BENCHMARKS.md "engine"), and the
-    same from eight rows up; half-precision products are much slower this way, so they keep [out, in].
+    oneDNN's prepacked float32 inner product runs every row count a decode step has (1 to 64) faster than
+    MKL's sgemm on the plain layout on the CPUs measured (docs/BENCHMARKS.md, "Engine": 22 vs 31 ms for
+    the embedded target's layers at one row, 44 vs 65 ms at sixteen). The packed copy is made again when
+    the weight is replaced or changed in place (its ``_version``), so it never goes stale. It costs a
+    second copy of the weights in memory; where oneDNN cannot pack (no mkldnn build, a half dtype
+    without the CPU support it needs) the product is ``F.linear``.
     """
-    weight = linear.weight
-    if weight.t().is_contiguous():
-        return
-    weight.data = weight.detach().t().contiguous().t()
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+        self.weight, self.bias, self.pack = weight, bias, pack
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pack:
+            return F.linear(x, self.weight, self.bias)
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :class:`Linear` prepacks for oneDNN here: a CPU with torch's mkldnn, in float32."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 @dataclass
 class _Layer:
     norm_in: torch.nn.Module
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    o_proj: torch.nn.Linear
+    o_proj: Linear
     norm_post: torch.nn.Module
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.nn.Linear
+    gate_up: Linear
+    down: Linear
     window: int | None
 
 
@@ -185,32 +202,26 @@ class StaticEngine:
         self.scale = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.column_major = self.device.type == "cpu" and self.dtype == torch.float32
-        self._head_key: tuple | None = None
-        self._head: torch.Tensor | None = None
+        self.packed = can_pack(self.device, self.dtype)
         self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
+        self._head: Linear | None = None
 
     def _layer(self, layer, window: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        fused = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv, qkv_bias = _fuse(fused, self.column_major)
-        fused = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
-        gate_up, gate_up_bias = _fuse(fused, self.column_major)
-        if self.column_major:
-            column_major(attn.o_proj)
-            column_major(mlp.down_proj)
-        return _Layer(layer.input_layernorm, qkv, qkv_bias, getattr(attn, "q_norm", None),
-                      getattr(attn, "k_norm", None), attn.o_proj, layer.post_attention_layernorm, gate_up,
-                      gate_up_bias, mlp.down_proj, window)
+        qkv = _fuse([attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _fuse([mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj])
+        linear = lambda weight, bias: Linear(weight, bias, self.packed)  # noqa: E731
+        return _Layer(layer.input_layernorm, linear(*qkv), getattr(attn, "q_norm", None),
+                      getattr(attn, "k_norm", None), linear(attn.o_proj.weight, attn.o_proj.bias),
+                      layer.post_attention_layernorm, linear(*gate_up), linear(mlp.down_proj.weight, mlp.down_proj.bias),
+                      window)
 
-    def head_columns(self, weight: torch.Tensor) -> torch.Tensor:
-        """The LM head ``weight`` [V, H] as a contiguous [H, V] copy, made again whenever the weight is
-        replaced or changed in place (its ``_version``)."""
-        key = (id(weight), weight._version)
-        if self._head_key != key:
-            self._head = weight.detach().t().contiguous()
-            self._head_key = key
-        return self._head
+    def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`
+        (prepacked once, again whenever the head is replaced or changed)."""
+        if self._head is None or self._head.weight is not head.weight:
+            self._head = Linear(head.weight, head.bias, self.packed)
+        return self._head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
@@ -229,7 +240,7 @@ class StaticEngine:
                  for seg, start in zip(segments, _starts(segments))]
         h, g, d = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(layer.norm_in(x), layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(layer.norm_in(x))
             q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
             q, k, v = q.view(-1, h, d), k.view(-1, g, d), v.view(-1, g, d)
             if layer.q_norm is not None:
@@ -240,7 +251,7 @@ class StaticEngine:
                 out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
                                                         k[start:start + seg.n], v[start:start + seg.n], mask)
             x = x + layer.o_proj(out.view(-1, h * d))
-            gate, up = F.linear(layer.norm_post(x), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         for seg in segments:
             seg.cache.length += seg.n

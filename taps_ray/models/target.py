@@ -377,13 +377,10 @@ class TargetModel:
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [.., V] float32 of ``hidden`` [.., H], soft-capped as the model does (Gemma-2/3).
-
-        On the static engine on CPU, one or two rows (a plain step) are multiplied by a column-major copy
-        of the LM head (:meth:`StaticEngine.head_columns`), which MKL reads ~1.7x faster at that size."""
-        rows = hidden.numel() // max(1, hidden.shape[-1])
-        if rows <= 2 and self.engine is not None and self.engine.column_major and self.lm_head.bias is None:
-            logits = (hidden @ self.engine.head_columns(self.lm_head.weight)).float()
+        """Logits [.., V] float32 of ``hidden`` [.., H], soft-capped as the model does (Gemma-2/3); on the
+        static engine the head product is its :meth:`~taps_ray.models.engine.StaticEngine.head`."""
+        if self.engine is not None:
+            logits = self.engine.head(self.lm_head, hidden).float()
         else:
             logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
