@@ -32,6 +32,7 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
+from taps_ray.spec.cost import CostModel, TreeBudget, cost_model
 from taps_ray.spec.decoder import generate, prompt_ids
 from taps_ray.spec.protocol import SingleStrategy
 
@@ -68,12 +69,14 @@ def _timed(call: Callable[[], object]) -> tuple[object, float, float]:
 
 
 def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int,
-         sampling: SamplingConfig | None = None) -> Method:
-    """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``); step records in CPU time."""
+         sampling: SamplingConfig | None = None, cost: CostModel | None = None) -> Method:
+    """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``; with ``cost``, a fresh
+    :class:`~taps_ray.spec.cost.TreeBudget` per prompt); step records in CPU time."""
 
     def run(ids: torch.Tensor) -> Run:
+        budget = TreeBudget(cost) if cost is not None else None
         result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), sampling, max_new_tokens,
-                                                    collect_entropy=False, timer=time.process_time))
+                                                    collect_entropy=False, timer=time.process_time, budget=budget))
         return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)
 
     return run
@@ -165,6 +168,7 @@ class BenchReport:
             *([f"Engine: {s['engine']}. Vanilla: {s['vanilla_ms_per_token']} ms per token (wall, prefill included) "
                f"against a weight-read floor of {s['weight_read_ms']} ms ({s['weight_mb']} MB at {s['read_gb_per_s']} "
                f"GB/s, measured in this run): {s['vanilla_vs_floor']}x the floor.", ""] if "engine" in s else []),
+            *([f"Cost model (spec-cost): {s['cost_model']}.", ""] if "cost_model" in s else []),
             "| method | tokens | tok/s | speedup | tok/CPU-s | CPU speedup | tau | tau (per question) "
             "| step CPU ms | match vanilla | note |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -297,6 +301,9 @@ def run_bench(
         methods["hf-prompt-lookup"] = hf_generate(target, max_new_tokens, PROMPT_LOOKUP_TOKENS)
     methods["spec"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens, sampling)
     notes = {"hf-prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}", "spec": tree_note(tree)}
+    cost = cost_model(target)
+    methods["spec-cost"] = ours(target, lambda: SingleStrategy(drafter, tree), max_new_tokens, sampling, cost)
+    notes["spec-cost"] = "the same tree as an upper bound, sized per step by the cost model"
     for name in (peers or []) if greedy else []:
         methods[name] = peer_method(name, target, max_new_tokens)
         notes[name] = f"{PEER_NOTE}, {torch.get_num_threads()} threads"
@@ -324,7 +331,7 @@ def run_bench(
     }
     floor = weight_read_floor(target)
     plain_ms = 1e3 * sum(r.seconds for r in runs["vanilla"]) / max(1, sum(r.steps + 1 for r in runs["vanilla"]))
-    info.update(engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
+    info.update(cost_model=cost.summary(), engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
                 weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
                 vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
     outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}

@@ -20,6 +20,7 @@ from taps_ray.config import SamplingConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
+from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
@@ -159,6 +160,7 @@ class _Request:
     top: int | None = None
     on_logprobs: Callable[[TokenLogprobs], None] | None = None
     feature_sink: list[torch.Tensor] | None = None
+    budget: TreeBudget | None = None
     prompt_len: int = 0
     length: int = 0
     tokens: torch.Tensor | None = None
@@ -201,6 +203,7 @@ def generate(
     logprobs: int | None = None,
     on_logprobs: Callable[[TokenLogprobs], None] | None = None,
     feature_sink: list[torch.Tensor] | None = None,
+    budget: TreeBudget | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
 
@@ -223,12 +226,18 @@ def generate(
     row i is the target's last hidden state at position i of prompt + committed tokens, for every
     position but the last (whose feature no forward pass has computed yet).
 
+    ``budget`` (None: every proposed tree is verified whole) picks each step's tree size from a measured
+    cost model (:class:`~taps_ray.spec.cost.TreeBudget`): the best-scored nodes that maximise expected
+    tokens per second, a plain step when none pays, and no drafting at all while drafting does not pay.
+    It changes what is verified, never what is accepted.
+
     The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
     :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
     :func:`_result`.
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
     request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
+    request.budget = budget if not isinstance(request.strategy, VanillaStrategy) else None
     start = timer()
     finish = _prefill(request, ids)
     prefill_s = timer() - start
@@ -283,14 +292,20 @@ def _step(request: _Request) -> str | None:
     r = request.length - 1
     if r >= request.target.max_context:
         return "context"
-    t0 = request.timer()
-    tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
-                                                len(request.steps)))
+    t0, wall = request.timer(), time.perf_counter()
+    budget, tree = request.budget, None
+    if budget is None or budget.should_draft():
+        tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
+                                                    len(request.steps)))
+        if budget is not None and tree is not None:
+            tree = budget.choose(tree, time.perf_counter() - wall)
     t1 = request.timer()
     if tree is None:
         new, features, rows, record = _plain_step(request, r)
     else:
         new, features, rows, record = _tree_step(request, tree, r)
+    if budget is not None:
+        budget.observe(tree, record["accepted"], time.perf_counter() - wall)
     return _append(request, new, features, rows, record, t0, t1)
 
 

@@ -19,7 +19,10 @@ def test_bench_tiny_target(tmp_path):
                        max_new_tokens=10, sweep_total=[4, 8], sweep_depth=[1], sweep_lookup=[0, 3],
                        settings={"benchmark": "random", "drafter": "fresh"})
     rows = {row.method: row for row in report.methods}
-    assert list(rows) == ["vanilla", "hf-greedy", "hf-prompt-lookup", "spec"]
+    assert list(rows) == ["vanilla", "hf-greedy", "hf-prompt-lookup", "spec", "spec-cost"]
+    assert 1 <= rows["spec-cost"].steps <= rows["vanilla"].steps
+    assert report.settings["engine"] == "static" and report.settings["weight_read_ms"] > 0
+    assert "plain step" in report.settings["cost_model"] and "Cost model (spec-cost)" in report.to_markdown()
     for row in rows.values():
         assert row.match == 1.0 and row.prompts == 2 and row.tokens == 20 and row.tokens_per_s > 0
     assert rows["vanilla"].speedup == rows["vanilla"].cpu_speedup == 1.0
@@ -40,7 +43,7 @@ def test_bench_tiny_target(tmp_path):
     assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
     assert (f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']} "
             f"tree.lookup_tokens={best['lookup_tokens']}") in markdown
-    assert written["exactness"]["identical"] == {"hf-greedy": 2, "hf-prompt-lookup": 2, "spec": 2}
+    assert written["exactness"]["identical"] == {"hf-greedy": 2, "hf-prompt-lookup": 2, "spec": 2, "spec-cost": 2}
     assert written["exactness"]["divergences"] == [] and "## Exactness" in markdown
 
 
@@ -53,7 +56,7 @@ def test_bench_sampling_reports_speed_and_tau_without_matching():
                        max_new_tokens=8, sampling=SamplingConfig(temperature=1.0, top_p=0.9, seed=3),
                        settings={"benchmark": "random", "drafter": "fresh"})
     rows = {row.method: row for row in report.methods}
-    assert list(rows) == ["vanilla", "spec"] and report.exactness is None
+    assert list(rows) == ["vanilla", "spec", "spec-cost"] and report.exactness is None
     assert rows["spec"].tau == pytest.approx((rows["spec"].tokens - 2) / rows["spec"].steps)
     assert rows["spec"].match != rows["spec"].match  # NaN: draws are not compared
     assert "sampling T=1.0 top_p=0.9" in report.to_markdown()

@@ -1,0 +1,216 @@
+"""A measured cost model of verification, and the tree size that maximises tokens per second, per step.
+
+:class:`CostModel` holds, for one machine and engine setting, the seconds of a verification forward of
+n tree nodes (n = 1 is a plain step) on a log grid of n, measured by :func:`measure` and cached under
+``TAPS_CACHE/cost/`` keyed by :func:`fingerprint` (CPU model and flags or GPU name, dtype, threads,
+torch version, engine, the target's sizes), so a change of any of them measures again.
+
+:class:`TreeBudget` uses it each step: with ``p_i = min(1, a * exp(score_i))`` the predicted chance that
+node i is accepted (``score`` is the path's cumulative draft log-prob, which EAGLE-2 ranks by; ``a``
+calibrates it against the acceptance actually observed), the best n nodes are expected to append
+``E(n) = 1 + sum_{i < n} p_i`` tokens for ``draft_s + verify(n)`` seconds, and the budget keeps the n
+that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting has not
+paid for a while (its realised tokens per second below a plain step's) it skips drafting, probing again
+every ``probe_every`` steps. The choice changes which tokens are proposed, never which are accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from taps_ray.spec.tree import DraftTree, build_tree
+
+GRID = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class CostModel:
+    """``verify_s[i]``: seconds of one verification forward (logits included) of ``nodes[i]`` nodes after
+    ``prefix`` cached tokens; ``key``: the :func:`fingerprint` it was measured under."""
+
+    nodes: list[int]
+    verify_s: list[float]
+    prefix: int
+    key: dict = field(default_factory=dict)
+    measured_s: float = 0.0
+
+    def verify(self, n: int | torch.Tensor) -> torch.Tensor:
+        """Seconds of verifying ``n`` nodes (tensor of any shape), linear between grid points and beyond."""
+        n = torch.as_tensor(n, dtype=torch.float64)
+        xs = torch.tensor(self.nodes, dtype=torch.float64)
+        ys = torch.tensor(self.verify_s, dtype=torch.float64)
+        upper = torch.searchsorted(xs, n.clamp(min=xs[0])).clamp(1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    @property
+    def plain_s(self) -> float:
+        return float(self.verify(1))
+
+    def relative(self) -> dict[int, float]:
+        """Verification cost of each grid size relative to a plain step."""
+        return {n: round(s / self.verify_s[0], 3) for n, s in zip(self.nodes, self.verify_s)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One line: a plain step's milliseconds and each size's cost relative to it."""
+        rel = ", ".join(f"{n}: {r:.2f}" for n, r in self.relative().items())
+        return f"plain step {1e3 * self.plain_s:.1f} ms; verification cost relative to it by nodes {{{rel}}}"
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return f"{model} flags:{hashlib.sha256(' '.join(sorted(flags)).encode()).hexdigest()[:12]}"
+
+
+def fingerprint(target) -> dict:
+    """What a verification's cost depends on: the device (CPU model and flags, or GPU name), dtype, threads,
+    torch version, the target's engine and sizes."""
+    device = target.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
+    engine = getattr(target, "engine", None)
+    return {"device": device.type, "hardware": where, "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "engine": "hf" if engine is None else f"static{'-packed' if engine.packed else ''}",
+            "target": {"hidden": target.hidden_size, "vocab": target.vocab_size,
+                       "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 3) -> CostModel:
+    """Time one verification forward of each size in ``nodes`` (a chain tree, logits included) after a
+    ``prefix``-token cache: the median of ``repeats`` after one warm-up each."""
+    from taps_ray.models.target import crop_cache
+    from taps_ray.spec.verify import run_tree
+
+    start = time.perf_counter()
+    prefix = min(prefix, target.max_context - max(nodes) - 1)
+    ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(prefix + max(nodes))
+    target.prefill(ids.to(target.device), cache)
+    seconds = []
+    for n in nodes:
+        tree = build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
+        times = []
+        for _ in range(repeats + 1):
+            _sync(target.device)
+            t0 = time.perf_counter()
+            run_tree(target, tree, cache)
+            _sync(target.device)
+            times.append(time.perf_counter() - t0)
+            crop_cache(cache, prefix)
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    return CostModel(list(nodes), seconds, prefix, fingerprint(target), round(time.perf_counter() - start, 2))
+
+
+def cache_dir() -> Path:
+    from taps_ray import artifacts
+
+    return artifacts.cache_dir() / "cost"
+
+
+def cost_model(target, refresh: bool = False) -> CostModel:
+    """The cached :class:`CostModel` of ``target`` on this machine (measured and stored when missing, stale
+    or ``refresh``); kept on the target object for the process."""
+    key = fingerprint(target)
+    held = getattr(target, "_cost_model", None)
+    if held is not None and held.key == key and not refresh:
+        return held
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{digest}.json"
+    model = None
+    if path.is_file() and not refresh:
+        try:
+            model = CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            model = None
+        if model is not None and model.key != key:
+            model = None
+    if model is None:
+        model = measure(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(model.to_dict(), indent=1))
+        os.replace(partial, path)
+    target.__dict__["_cost_model"] = model
+    return model
+
+
+class TreeBudget:
+    """One request's per-step tree size (see the module docstring). ``ema``: weight of the past in the
+    calibration and rate averages; ``probe_every``: how often a step drafts while drafting does not pay."""
+
+    def __init__(self, cost: CostModel, ema: float = 0.8, probe_every: int = 8):
+        self.cost, self.ema, self.probe_every = cost, ema, probe_every
+        self._predicted, self._observed = 1.0, 1.0
+        self._spec_rate: float | None = None
+        self._skipped = 0
+        self.chosen: list[int] = []
+
+    @property
+    def calibration(self) -> float:
+        """``a``: observed over predicted accepted tokens of the verified trees, recently."""
+        return self._observed / max(self._predicted, 1e-6)
+
+    def should_draft(self) -> bool:
+        """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
+        step's, and then once every ``probe_every`` steps."""
+        if self._spec_rate is None or self._spec_rate >= 1.0 / self.cost.plain_s:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return True
+        return False
+
+    def choose(self, tree: DraftTree, draft_s: float) -> DraftTree | None:
+        """The best-scored ``n`` nodes of ``tree`` for the n that maximises expected tokens per second, or
+        None when a plain step (n = 1) does."""
+        if tree.size <= 1:
+            return None
+        scores = torch.sort(tree.score[1:].double().cpu(), descending=True).values
+        p = (self.calibration * scores.exp()).clamp(max=1.0)
+        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + p.cumsum(0)])
+        sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
+        seconds = self.cost.verify(sizes) + draft_s
+        seconds[0] = self.cost.plain_s + draft_s
+        n = int((expected / seconds).argmax()) + 1
+        self.chosen.append(n)
+        return None if n == 1 else tree.top(n)
+
+    def observe(self, tree: DraftTree | None, accepted: int, seconds: float) -> None:
+        """After a step: the verified ``tree`` (None: a plain step), its accepted draft tokens and the step's
+        wall seconds (drafting included)."""
+        if tree is None:
+            return
+        predicted = float(tree.score[1:].double().exp().clamp(max=1.0).sum())
+        w = self.ema
+        self._predicted = w * self._predicted + (1 - w) * predicted
+        self._observed = w * self._observed + (1 - w) * accepted
+        rate = (accepted + 1) / max(seconds, 1e-9)
+        self._spec_rate = rate if self._spec_rate is None else w * self._spec_rate + (1 - w) * rate
+

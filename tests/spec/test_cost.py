@@ -1,0 +1,103 @@
+"""spec/cost.py: the measured cost model, its cache, and the per-step tree size it picks (lossless)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.spec import cost as cost_module
+from taps_ray.spec.compose import build_strategy
+from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, fingerprint
+from taps_ray.spec.decoder import generate
+from taps_ray.spec.tree import build_tree
+from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
+
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
+ALL = ["single", "averaged", "routed:confidence", "routed:entropy", "merged:union", "merged:budget"]
+
+
+def _model(verify_s: list[float]) -> CostModel:
+    return CostModel(nodes=[1, 2, 4, 8, 16], verify_s=verify_s, prefix=8)
+
+
+def test_verify_interpolates_between_and_beyond_the_grid():
+    model = _model([1.0, 1.5, 2.0, 4.0, 8.0])
+    assert float(model.verify(3)) == pytest.approx(1.75)
+    assert float(model.verify(32)) == pytest.approx(16.0)
+    assert model.relative() == {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0, 16: 8.0}
+    assert "plain step 1000.0 ms" in model.summary()
+
+
+def _tree(scores: list[float]):
+    n = len(scores) + 1
+    return build_tree(list(range(2, 2 + n)), [-1] + [0] * (n - 1), score=[0.0] + scores)
+
+
+def test_choose_keeps_nodes_that_pay_and_drops_those_that_do_not():
+    free = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]))
+    confident = _tree([-0.1, -0.2, -0.3, -3.0, -4.0])
+    assert free.choose(confident, draft_s=0.0).size == 6
+    steep = TreeBudget(_model([1.0, 1.3, 2.0, 4.0, 8.0]))
+    assert steep.choose(_tree([-5.0, -6.0, -7.0]), draft_s=0.0) is None
+    assert steep.choose(_tree([-0.01, -5.0, -6.0]), draft_s=0.0).size == 2
+    assert steep.chosen == [1, 2]
+
+
+def test_calibration_follows_observed_acceptance():
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), ema=0.5)
+    tree = _tree([-0.1, -0.1, -0.1])
+    for _ in range(10):
+        budget.observe(tree, accepted=0, seconds=1.0)
+    assert budget.calibration < 0.05
+
+
+def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    assert budget.should_draft()
+    budget.observe(_tree([-0.1]), accepted=0, seconds=10.0)
+    assert [budget.should_draft() for _ in range(6)] == [False, False, True, False, False, True]
+    budget.observe(_tree([-0.1]), accepted=1, seconds=0.1)
+    budget.observe(_tree([-0.1]), accepted=1, seconds=0.1)
+    assert budget.should_draft()
+
+
+def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, monkeypatch, peaky_target):
+    monkeypatch.setattr(cost_module, "cache_dir", lambda: tmp_path)
+    peaky_target.__dict__.pop("_cost_model", None)
+    calls = []
+    real = cost_module.measure
+    monkeypatch.setattr(cost_module, "measure", lambda target: calls.append(1) or real(target, nodes=(1, 2, 4)))
+    first = cost_model(peaky_target)
+    assert first.key == fingerprint(peaky_target) and len(first.verify_s) == 3 and all(s > 0 for s in first.verify_s)
+    [stored] = list(tmp_path.glob("*.json"))
+    assert json.loads(stored.read_text())["key"]["threads"] == torch.get_num_threads()
+    peaky_target.__dict__.pop("_cost_model")
+    assert cost_model(peaky_target).verify_s == first.verify_s and len(calls) == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert cost_model(peaky_target).key["threads"] == threads + 1 and len(calls) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("steep", [False, True])
+def test_greedy_output_equals_vanilla_with_a_budget(name, steep):
+    target = bigram_target(0)
+    ids = torch.arange(target.vocab_size)
+    drafters = ({"oracle": oracle_drafter(target), "n1": sharp_drafter(target, 1)} if name == "averaged" else
+                {"even": oracle_drafter(target, ids[ids % 2 == 0]), "odd": oracle_drafter(target, ids[ids % 2 == 1])})
+    model = _model([1.0, 2.0, 4.0, 8.0, 16.0] if steep else [1.0, 1.0, 1.05, 1.1, 1.2])
+    prompt = random_prompt(target, 6, 3)
+    vanilla = generate(target, prompt, max_new_tokens=40)
+    budget = TreeBudget(model)
+    spec = generate(target, prompt, build_strategy(name, drafters, TREE, probe_steps=1, recheck_every=2),
+                    max_new_tokens=40, budget=budget)
+    assert spec.token_ids == vanilla.token_ids
+    assert budget.chosen and sum(s.appended for s in spec.steps) + 1 == len(spec.token_ids)
+    if not steep:
+        assert max(spec.accept_lengths) >= 2
