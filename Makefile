@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP := $(VENV)/.setup-stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
 DATA_DIR := $(abspath ../shared/data)
 ifneq ($(wildcard $(DATA_DIR)/bench),)
 export TAPS_DATA_DIR ?= $(DATA_DIR)
@@ -28,7 +29,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
-test: setup
+# The peer engines of `taps bench --peer` (llama-cpp-python builds llama.cpp here: minutes, once).
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+test: setup $(BENCH_STAMP)
 	@$(PY) -m pytest -q -ra $(XDIST); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; \
 	exit $$status

@@ -162,19 +162,25 @@ def cost_model(target, refresh: bool = False) -> CostModel:
 
 class TreeBudget:
     """One request's per-step tree size (see the module docstring). ``ema``: weight of the past in the
-    calibration and rate averages; ``probe_every``: how often a step drafts while drafting does not pay."""
+    calibration and rate averages; ``probe_every``: how often a step drafts while drafting does not pay.
+
+    Drafted nodes and prompt-lookup nodes (the last ``tree.meta["lookup_nodes"]`` of a tree) are calibrated
+    apart: a lookup chain's nominal score says little about how often copied text is right.
+    """
+
+    KINDS = ("draft", "lookup")
 
     def __init__(self, cost: CostModel, ema: float = 0.8, probe_every: int = 8):
         self.cost, self.ema, self.probe_every = cost, ema, probe_every
-        self._predicted, self._observed = 1.0, 1.0
+        self._predicted = dict.fromkeys(self.KINDS, 1.0)
+        self._observed = dict.fromkeys(self.KINDS, 1.0)
         self._spec_rate: float | None = None
         self._skipped = 0
         self.chosen: list[int] = []
 
-    @property
-    def calibration(self) -> float:
-        """``a``: observed over predicted accepted tokens of the verified trees, recently."""
-        return self._observed / max(self._predicted, 1e-6)
+    def calibration(self, kind: str = "draft") -> float:
+        """``a`` of ``kind``: observed over predicted accepted nodes of that kind in verified trees, recently."""
+        return self._observed[kind] / max(self._predicted[kind], 1e-6)
 
     def should_draft(self) -> bool:
         """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
@@ -187,30 +193,61 @@ class TreeBudget:
             return True
         return False
 
+    @staticmethod
+    def _is_lookup(tree: DraftTree) -> torch.Tensor:
+        """[N] bool: the tree's prompt-lookup nodes."""
+        flags = torch.zeros(tree.size, dtype=torch.bool)
+        m = int(tree.meta.get("lookup_nodes", 0) or 0)
+        if m:
+            flags[tree.size - m:] = True
+        return flags
+
+    def _chance(self, tree: DraftTree) -> torch.Tensor:
+        """[N - 1] predicted acceptance chance of each non-root node, calibrated per kind and capped by its
+        ancestors' (a node is accepted only with its whole path), so it never rises along a path."""
+        lookup = self._is_lookup(tree)
+        scale = torch.where(lookup, self.calibration("lookup"), self.calibration("draft")).double()
+        chance = (scale * tree.score.double().cpu().exp()).clamp(max=1.0)
+        chance[0] = 1.0
+        mask = tree.mask.cpu()
+        return torch.where(mask, chance[None, :], torch.inf).min(1).values[1:]
+
     def choose(self, tree: DraftTree, draft_s: float) -> DraftTree | None:
-        """The best-scored ``n`` nodes of ``tree`` for the n that maximises expected tokens per second, or
-        None when a plain step (n = 1) does."""
+        """The ``n`` nodes of ``tree`` most likely accepted, for the n that maximises expected tokens per
+        second, or None when a plain step (n = 1) does."""
         if tree.size <= 1:
             return None
-        scores = torch.sort(tree.score[1:].double().cpu(), descending=True).values
-        p = (self.calibration * scores.exp()).clamp(max=1.0)
-        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + p.cumsum(0)])
+        chance = self._chance(tree)
+        order = torch.sort(chance, descending=True, stable=True).indices
+        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)])
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
         seconds = self.cost.verify(sizes) + draft_s
-        seconds[0] = self.cost.plain_s + draft_s
         n = int((expected / seconds).argmax()) + 1
         self.chosen.append(n)
-        return None if n == 1 else tree.top(n)
+        if n == 1:
+            return None
+        if n == tree.size:
+            return tree
+        keep = torch.cat([order.new_zeros(1), 1 + order[:n - 1]]).sort().values
+        kept = tree.select(keep.to(tree.tokens.device))
+        if "lookup_nodes" in tree.meta:
+            kept.meta["lookup_nodes"] = int(self._is_lookup(tree)[keep].sum())
+        return kept
 
-    def observe(self, tree: DraftTree | None, accepted: int, seconds: float) -> None:
-        """After a step: the verified ``tree`` (None: a plain step), its accepted draft tokens and the step's
-        wall seconds (drafting included)."""
-        if tree is None:
+    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, seconds: float) -> None:
+        """After a step: the verified ``tree`` (None: a plain step), its accepted ``path`` (node indices, root
+        first) and the step's wall seconds (drafting included)."""
+        if tree is None or path is None:
             return
-        predicted = float(tree.score[1:].double().exp().clamp(max=1.0).sum())
+        lookup = self._is_lookup(tree)
+        raw = tree.score[1:].double().cpu().exp().clamp(max=1.0)
+        accepted = torch.zeros(tree.size, dtype=torch.bool)
+        accepted[path.cpu()] = True
         w = self.ema
-        self._predicted = w * self._predicted + (1 - w) * predicted
-        self._observed = w * self._observed + (1 - w) * accepted
-        rate = (accepted + 1) / max(seconds, 1e-9)
+        for kind, mask in (("draft", ~lookup[1:]), ("lookup", lookup[1:])):
+            if bool(mask.any()):
+                self._predicted[kind] = w * self._predicted[kind] + (1 - w) * float(raw[mask].sum())
+                self._observed[kind] = w * self._observed[kind] + (1 - w) * float(accepted[1:][mask].sum())
+        rate = path.numel() / max(seconds, 1e-9)
         self._spec_rate = rate if self._spec_rate is None else w * self._spec_rate + (1 - w) * rate
 

@@ -161,6 +161,7 @@ class _Request:
     on_logprobs: Callable[[TokenLogprobs], None] | None = None
     feature_sink: list[torch.Tensor] | None = None
     budget: TreeBudget | None = None
+    path: torch.Tensor | None = None
     prompt_len: int = 0
     length: int = 0
     tokens: torch.Tensor | None = None
@@ -305,7 +306,7 @@ def _step(request: _Request) -> str | None:
     else:
         new, features, rows, record = _tree_step(request, tree, r)
     if budget is not None:
-        budget.observe(tree, record["accepted"], time.perf_counter() - wall)
+        budget.observe(tree, request.path, time.perf_counter() - wall)
     return _append(request, new, features, rows, record, t0, t1)
 
 
@@ -351,6 +352,7 @@ def _tree_step(request: _Request, tree: DraftTree,
     if tree.meta:
         record["meta"] = tree.meta
     rows = logits[verdict.path] if request.top is not None else None
+    request.path = verdict.path
     return verdict.tokens, out.hidden[0, verdict.path], rows, record
 
 

@@ -50,17 +50,32 @@ def test_calibration_follows_observed_acceptance():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), ema=0.5)
     tree = _tree([-0.1, -0.1, -0.1])
     for _ in range(10):
-        budget.observe(tree, accepted=0, seconds=1.0)
-    assert budget.calibration < 0.05
+        budget.observe(tree, torch.tensor([0]), seconds=1.0)
+    assert budget.calibration() < 0.05 and budget.calibration("lookup") == 1.0
+
+
+def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
+    from taps_ray.spec.lookup import graft_chain
+
+    budget = TreeBudget(_model([1.0, 1.6, 2.5, 4.0, 8.0]))
+    tree = graft_chain(_tree([-3.0, -3.5]), torch.tensor([7, 8, 9]))
+    assert tree.meta["lookup_nodes"] == 3
+    assert budget.choose(tree, draft_s=0.0) is None, "uncalibrated, a copied chain looks unlikely"
+    lookup_path = torch.tensor([0, tree.size - 3, tree.size - 2, tree.size - 1])
+    for _ in range(20):
+        budget.observe(tree, lookup_path, seconds=1.0)
+    assert budget.calibration("lookup") > 3 and budget.calibration("draft") < 0.2
+    kept = budget.choose(tree, draft_s=0.0)
+    assert kept is not None and kept.tokens[1:].tolist() == [7, 8, 9] and kept.meta["lookup_nodes"] == 3
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
     assert budget.should_draft()
-    budget.observe(_tree([-0.1]), accepted=0, seconds=10.0)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), seconds=10.0)
     assert [budget.should_draft() for _ in range(6)] == [False, False, True, False, False, True]
-    budget.observe(_tree([-0.1]), accepted=1, seconds=0.1)
-    budget.observe(_tree([-0.1]), accepted=1, seconds=0.1)
+    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=0.1)
+    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=0.1)
     assert budget.should_draft()
 
 
