@@ -66,7 +66,7 @@ def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
         budget.observe(tree, lookup_path, seconds=1.0)
     assert budget.calibration("lookup") > 3 and budget.calibration("draft") < 0.2
     kept = budget.choose(tree, draft_s=0.0)
-    assert kept is not None and kept.tokens[1:].tolist() == [7, 8, 9] and kept.meta["lookup_nodes"] == 3
+    assert kept is not None and kept.tokens[1:].tolist() == [7, 8] and kept.meta["lookup_nodes"] == 2
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
