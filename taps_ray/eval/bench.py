@@ -70,11 +70,12 @@ def _timed(call: Callable[[], object]) -> tuple[object, float, float]:
 
 def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_tokens: int,
          sampling: SamplingConfig | None = None, cost: CostModel | None = None) -> Method:
-    """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``; with ``cost``, a fresh
-    :class:`~taps_ray.spec.cost.TreeBudget` per prompt); step records in CPU time."""
+    """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``; with ``cost``, one
+    :class:`~taps_ray.spec.cost.TreeBudget` across the prompts, as a server keeps one per strategy); step
+    records in CPU time."""
+    budget = TreeBudget(cost) if cost is not None else None
 
     def run(ids: torch.Tensor) -> Run:
-        budget = TreeBudget(cost) if cost is not None else None
         result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), sampling, max_new_tokens,
                                                     collect_entropy=False, timer=time.process_time, budget=budget))
         return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)

@@ -5,9 +5,9 @@ n tree nodes (n = 1 is a plain step) on a log grid of n, measured by :func:`meas
 ``TAPS_CACHE/cost/`` keyed by :func:`fingerprint` (CPU model and flags or GPU name, dtype, threads,
 torch version, engine, the target's sizes), so a change of any of them measures again.
 
-:class:`TreeBudget` uses it each step: with ``p_i = min(1, a * exp(score_i))`` the predicted chance that
-node i is accepted (``score`` is the path's cumulative draft log-prob, which EAGLE-2 ranks by; ``a``
-calibrates it against the acceptance actually observed), the best n nodes are expected to append
+:class:`TreeBudget` uses it each step: with ``p_i`` the predicted chance that node i is accepted (the
+acceptance rate observed for nodes of its kind and score bin, ``score`` being the path's cumulative draft
+log-prob, which EAGLE-2 ranks by; ``exp(score)`` before anything is observed), the best n nodes are expected to append
 ``E(n) = 1 + sum_{i < n} p_i`` tokens for ``draft_s + verify(n)`` seconds, and the budget keeps the n
 that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting has not
 paid for a while (its realised tokens per second below a plain step's) it skips drafting, probing again
@@ -160,27 +160,45 @@ def cost_model(target, refresh: bool = False) -> CostModel:
     return model
 
 
-class TreeBudget:
-    """One request's per-step tree size (see the module docstring). ``ema``: weight of the past in the
-    calibration and rate averages; ``probe_every``: how often a step drafts while drafting does not pay.
+SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""Bins of a node's path score (cumulative draft log-prob): (-0.25, 0], (-0.5, -0.25], .., below -6."""
 
-    Drafted nodes and prompt-lookup nodes (the last ``tree.meta["lookup_nodes"]`` of a tree) are calibrated
-    apart: a lookup chain's nominal score says little about how often copied text is right.
+
+class TreeBudget:
+    """Per-step tree sizes for one drafting strategy (see the module docstring); share one across that
+    strategy's requests so that its calibration carries over. ``decay``: weight of the past per observed
+    step; ``probe_every``: how often a step drafts while drafting does not pay; ``explore_every``: how often
+    a drafted step verifies its whole tree, so that every score bin keeps being observed.
+
+    A node's chance of acceptance is the acceptance rate observed for nodes of its kind (drafted, or
+    prompt-lookup: the last ``tree.meta["lookup_nodes"]`` of a tree) in its score bin
+    (:data:`SCORE_EDGES`), starting from ``exp(score)`` with the weight of ``prior`` observations, and
+    capped by its ancestors' (a node is accepted only with its whole path).
     """
 
     KINDS = ("draft", "lookup")
 
-    def __init__(self, cost: CostModel, ema: float = 0.8, probe_every: int = 8):
-        self.cost, self.ema, self.probe_every = cost, ema, probe_every
-        self._predicted = dict.fromkeys(self.KINDS, 1.0)
-        self._observed = dict.fromkeys(self.KINDS, 1.0)
+    def __init__(self, cost: CostModel, decay: float = 0.98, probe_every: int = 8, explore_every: int = 4,
+                 prior: float = 2.0):
+        self.cost, self.decay, self.probe_every, self.explore_every = cost, decay, probe_every, explore_every
+        self._edges = torch.tensor(SCORE_EDGES, dtype=torch.float64)
+        mids = torch.tensor([0.0, *SCORE_EDGES], dtype=torch.float64)
+        mids = torch.cat([(mids[:-1] + mids[1:]) / 2, mids[-1:] - 1.0])
+        self._prior_rate, self._prior = mids.exp(), prior
+        bins = len(SCORE_EDGES) + 1
+        self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
+        self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._spec_rate: float | None = None
         self._skipped = 0
+        self._drafted = 0
         self.chosen: list[int] = []
 
-    def calibration(self, kind: str = "draft") -> float:
-        """``a`` of ``kind``: observed over predicted accepted nodes of that kind in verified trees, recently."""
-        return self._observed[kind] / max(self._predicted[kind], 1e-6)
+    def rates(self, kind: str = "draft") -> torch.Tensor:
+        """[bins] the acceptance rate of ``kind`` nodes per score bin (observed, with the prior)."""
+        return ((self._hits[kind] + self._prior * self._prior_rate) / (self._seen[kind] + self._prior)).clamp(max=1.0)
+
+    def _bin(self, score: torch.Tensor) -> torch.Tensor:
+        return torch.bucketize(-score.double().cpu(), -self._edges, right=False)
 
     def should_draft(self) -> bool:
         """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
@@ -202,22 +220,24 @@ class TreeBudget:
             flags[tree.size - m:] = True
         return flags
 
-    def _chance(self, tree: DraftTree) -> torch.Tensor:
-        """[N - 1] predicted acceptance chance of each non-root node, calibrated per kind and capped by its
-        ancestors' (a node is accepted only with its whole path), so it never rises along a path."""
+    def chance(self, tree: DraftTree) -> torch.Tensor:
+        """[N - 1] predicted acceptance chance of each non-root node (see the class docstring)."""
+        bins = self._bin(tree.score)
         lookup = self._is_lookup(tree)
-        scale = torch.where(lookup, self.calibration("lookup"), self.calibration("draft")).double()
-        chance = (scale * tree.score.double().cpu().exp()).clamp(max=1.0)
+        chance = torch.where(lookup, self.rates("lookup")[bins], self.rates("draft")[bins])
         chance[0] = 1.0
-        mask = tree.mask.cpu()
-        return torch.where(mask, chance[None, :], torch.inf).min(1).values[1:]
+        return torch.where(tree.mask.cpu(), chance[None, :], torch.inf).min(1).values[1:]
 
     def choose(self, tree: DraftTree, draft_s: float) -> DraftTree | None:
         """The ``n`` nodes of ``tree`` most likely accepted, for the n that maximises expected tokens per
-        second, or None when a plain step (n = 1) does."""
+        second, or None when a plain step (n = 1) does; every ``explore_every``-th call the whole tree."""
         if tree.size <= 1:
             return None
-        chance = self._chance(tree)
+        self._drafted += 1
+        if self.explore_every and self._drafted % self.explore_every == 0:
+            self.chosen.append(tree.size)
+            return tree
+        chance = self.chance(tree)
         order = torch.sort(chance, descending=True, stable=True).indices
         expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)])
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
@@ -239,15 +259,15 @@ class TreeBudget:
         first) and the step's wall seconds (drafting included)."""
         if tree is None or path is None:
             return
-        lookup = self._is_lookup(tree)
-        raw = tree.score[1:].double().cpu().exp().clamp(max=1.0)
-        accepted = torch.zeros(tree.size, dtype=torch.bool)
-        accepted[path.cpu()] = True
-        w = self.ema
-        for kind, mask in (("draft", ~lookup[1:]), ("lookup", lookup[1:])):
-            if bool(mask.any()):
-                self._predicted[kind] = w * self._predicted[kind] + (1 - w) * float(raw[mask].sum())
-                self._observed[kind] = w * self._observed[kind] + (1 - w) * float(accepted[1:][mask].sum())
+        lookup = self._is_lookup(tree)[1:]
+        bins = self._bin(tree.score[1:])
+        accepted = torch.zeros(tree.size, dtype=torch.float64)
+        accepted[path.cpu()] = 1.0
+        size = len(SCORE_EDGES) + 1
+        for kind, mask in (("draft", ~lookup), ("lookup", lookup)):
+            self._seen[kind] = self.decay * self._seen[kind] + torch.bincount(bins[mask], minlength=size).double()
+            self._hits[kind] = self.decay * self._hits[kind] + torch.bincount(
+                bins[mask], weights=accepted[1:][mask], minlength=size)
+        w = 0.8
         rate = path.numel() / max(seconds, 1e-9)
         self._spec_rate = rate if self._spec_rate is None else w * self._spec_rate + (1 - w) * rate
-

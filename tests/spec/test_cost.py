@@ -46,12 +46,17 @@ def test_choose_keeps_nodes_that_pay_and_drops_those_that_do_not():
     assert steep.chosen == [1, 2]
 
 
-def test_calibration_follows_observed_acceptance():
-    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), ema=0.5)
-    tree = _tree([-0.1, -0.1, -0.1])
-    for _ in range(10):
-        budget.observe(tree, torch.tensor([0]), seconds=1.0)
-    assert budget.calibration() < 0.05 and budget.calibration("lookup") == 1.0
+def test_rates_follow_observed_acceptance_per_score_bin():
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]))
+    prior = budget.rates().clone()
+    assert bool((prior[1:] < prior[:-1]).all()), "before any observation a bin's rate is exp(its score)"
+    tree = _tree([-0.1, -0.1, -5.0])
+    for _ in range(30):
+        budget.observe(tree, torch.tensor([0, 3]), seconds=1.0)
+    rates = budget.rates()
+    assert rates[0] < 0.15 and rates[-2] > 0.9, "bin (-0.25, 0] never accepted, bin (-6, -4] always"
+    assert torch.equal(budget.rates("lookup"), prior)
+    assert budget.chance(tree).tolist() == pytest.approx(rates[[0, 0, 7]].tolist())
 
 
 def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
@@ -64,9 +69,15 @@ def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
     lookup_path = torch.tensor([0, tree.size - 3, tree.size - 2, tree.size - 1])
     for _ in range(20):
         budget.observe(tree, lookup_path, seconds=1.0)
-    assert budget.calibration("lookup") > 3 and budget.calibration("draft") < 0.2
+    assert bool((budget.rates("lookup")[[2, 3, 5]] > 0.8).all()) and bool((budget.rates()[5:7] < 0.05).all())
     kept = budget.choose(tree, draft_s=0.0)
-    assert kept is not None and kept.tokens[1:].tolist() == [7, 8] and kept.meta["lookup_nodes"] == 2
+    assert kept is not None and kept.tokens[1:].tolist() == [7, 8, 9] and kept.meta["lookup_nodes"] == 3
+
+
+def test_every_few_drafted_steps_verify_the_whole_tree():
+    budget = TreeBudget(_model([1.0, 2.0, 4.0, 8.0, 16.0]), explore_every=3)
+    tree = _tree([-5.0, -6.0])
+    assert [budget.choose(tree, 0.0) is tree for _ in range(6)] == [False, False, True, False, False, True]
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
