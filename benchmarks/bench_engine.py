@@ -3,10 +3,15 @@ with plain ``F.linear`` products, and the static engine with oneDNN-prepacked pr
 in float32).
 
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
+    python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
 
 Each row count n is one forward of n tokens (a chain of tree nodes, the LM head included) after the
 prompt's cache, the mean of ``--repeats`` after one warm-up, the three variants interleaved. Prints one
 line per n, and the weight-read floor (every weight read once) measured in the same run.
+
+``--products``: the 30 layers' four products of the embedded target's shapes on random weights (425 MB in
+fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
+fp16 ``F.linear`` and torch's int8 weight-only kernel (``_weight_int8pack_mm``): which formats pay here.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 from taps_ray.config import TargetConfig
 from taps_ray.eval.bench import weight_read_floor
@@ -52,12 +58,59 @@ def forward_ms(target: TargetModel, ids: torch.Tensor, rows: int, repeats: int) 
     return 1e3 * (time.perf_counter() - start) / repeats
 
 
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+@torch.inference_mode()
+def products(rows: list[int], repeats: int) -> None:
+    """Print ms of the layers' products per format and row count (min of ``repeats``)."""
+    weights = [[torch.randn(o, i) for o, i in SHAPES] for _ in range(30)]
+    formats = {"fp32": [[w for w in layer] for layer in weights]}
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in weights]
+    half = {name: [[w.to(dtype) for w in layer] for layer in weights]
+            for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    int8 = []
+    for layer in weights:
+        row = []
+        for w in layer:
+            scale = w.abs().amax(1) / 127
+            row.append(((w / scale[:, None]).round().to(torch.int8), scale))
+        int8.append(row)
+
+    def best(call) -> float:
+        call()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times)
+
+    print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only  (ms)")
+    for n in rows:
+        x = {576: torch.randn(n, 576), 1536: torch.randn(n, 1536)}
+        cols = [best(lambda x=x: [F.linear(x[w.shape[1]], w) for layer in formats["fp32"] for w in layer]),
+                best(lambda x=x: [torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                                  for layer, lp in zip(weights, packed) for w, p in zip(layer, lp)])]
+        for name in ("bf16", "fp16"):
+            xh = {k: v.to(half[name][0][0].dtype) for k, v in x.items()}
+            cols.append(best(lambda xh=xh, name=name: [F.linear(xh[w.shape[1]], w) for layer in half[name]
+                                                       for w in layer]))
+        cols.append(best(lambda x=x: [torch.ops.aten._weight_int8pack_mm(x[q.shape[1]], q, s)
+                                  for layer in int8 for q, s in layer]))
+        print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rows", default="1,2,4,8,16,24,32")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--products", action="store_true", help="time the layers' products per weight format")
     args = parser.parse_args()
+    if args.products:
+        products([int(r) for r in args.rows.split(",")], min(args.repeats, 5))
+        return
     static = TargetModel.load(TargetConfig(dtype=args.dtype))
     hf = TargetModel.load(TargetConfig(dtype=args.dtype, engine="hf"))
     ids = static.encode_chat([{"role": "user", "content": PROMPT}])
