@@ -66,6 +66,12 @@ class FakeVerifier:
         return Stream()
 
 
+def _no_cluster(*args, **kwargs):
+    """This in-process ingress has no cluster: Serve's handle lookup would start a default Ray cluster (2 CPUs)
+    that a later test's ``ray_session`` in the same process would then join, too small for its application."""
+    raise RuntimeError("no Ray cluster in this test")
+
+
 @pytest.fixture
 def serve_app(monkeypatch):
     """``make(keys=..., **serve_fields)``: configure an ingress instance and return an async caller
@@ -80,6 +86,7 @@ def serve_app(monkeypatch):
         cfg = ServeConfig(drafters={"a": None, "b": "release:math", "c": "/secret/runs/drafter"}, **fields)
         instance = Ingress.__mro__[1](FakeVerifier(), cfg.model_dump(), {}, MODEL, [], list(keys))
         monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(servable_object=instance))
+        monkeypatch.setattr(ingress.serve, "get_deployment_handle", _no_cluster)
 
         def call(method, path, body=None, headers=None, chunks=None):
             headers = {"host": "testserver", **(headers or {})}
