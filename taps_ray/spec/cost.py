@@ -189,6 +189,7 @@ class TreeBudget:
         self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._spec_rate: float | None = None
+        self._plain_s: float | None = None
         self._skipped = 0
         self._drafted = 0
         self.chosen: list[int] = []
@@ -202,8 +203,10 @@ class TreeBudget:
 
     def should_draft(self) -> bool:
         """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
-        step's, and then once every ``probe_every`` steps."""
-        if self._spec_rate is None or self._spec_rate >= 1.0 / self.cost.plain_s:
+        step's (as observed in this run when plain steps were seen, else the cost model's), and then once
+        every ``probe_every`` steps."""
+        plain_s = self._plain_s if self._plain_s is not None else self.cost.plain_s
+        if self._spec_rate is None or self._spec_rate >= 1.0 / plain_s:
             return True
         self._skipped += 1
         if self._skipped >= self.probe_every:
@@ -256,8 +259,12 @@ class TreeBudget:
 
     def observe(self, tree: DraftTree | None, path: torch.Tensor | None, seconds: float) -> None:
         """After a step: the verified ``tree`` (None: a plain step), its accepted ``path`` (node indices, root
-        first) and the step's wall seconds (drafting included)."""
-        if tree is None or path is None:
+        first; ignored for a plain step) and the step's wall seconds (drafting included)."""
+        w = 0.8
+        if tree is None:
+            self._plain_s = seconds if self._plain_s is None else w * self._plain_s + (1 - w) * seconds
+            return
+        if path is None:
             return
         lookup = self._is_lookup(tree)[1:]
         bins = self._bin(tree.score[1:])

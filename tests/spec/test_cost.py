@@ -80,6 +80,15 @@ def test_every_few_drafted_steps_verify_the_whole_tree():
     assert [budget.choose(tree, 0.0) is tree for _ in range(6)] == [False, False, True, False, False, True]
 
 
+def test_the_pause_compares_with_plain_steps_as_observed_here():
+    budget = TreeBudget(_model([0.01, 0.01, 0.01, 0.01, 0.01]), probe_every=100)
+    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=1.0)
+    assert not budget.should_draft(), "2 tokens/s against the model's 100 for a plain step"
+    for _ in range(20):
+        budget.observe(None, None, seconds=2.0)
+    assert budget.should_draft(), "but plain steps take 2 s on this machine now"
+
+
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
     assert budget.should_draft()
