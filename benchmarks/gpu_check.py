@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from taps_ray.models.target import TargetModel, crop_cache, resolve_device_dtype
+from taps_ray.models.target import TargetModel, resolve_device_dtype
+from taps_ray.spec.cost import measure
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.tree import DraftTree, build_tree
@@ -96,31 +97,6 @@ def _seconds(device: torch.device, call) -> float:
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
-def verification_cost(target: TargetModel, prefix: int, nodes=NODES, repeats: int = 5) -> dict[int, float]:
-    """Milliseconds of one verification forward (logits included) of n chain nodes after ``prefix`` cached
-    tokens, for each n in ``nodes`` (median of ``repeats``)."""
-    ids = torch.randint(2, target.vocab_size, (1, prefix), device=target.device)
-    cache = target.new_cache(prefix + max(nodes))
-    target.prefill(ids, cache)
-    out = {}
-    for n in nodes:
-        tree = build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix)
-        mask = torch.cat([tree.mask.new_ones(n, prefix), tree.mask], 1)
-        additive = torch.zeros(mask.shape, dtype=target.dtype, device=target.device)
-        additive = additive.masked_fill(~mask.to(target.device), torch.finfo(target.dtype).min)[None, None]
-        tokens, positions = tree.tokens[None].to(target.device), tree.positions[None].to(target.device)
-
-        def once(tokens=tokens, positions=positions, mask=additive if n > 1 else None):
-            target.logits(target.forward_hidden(tokens, positions, cache, mask))
-            crop_cache(cache, prefix)
-
-        once()
-        times = sorted(_seconds(target.device, once) for _ in range(repeats))
-        out[n] = 1e3 * times[len(times) // 2]
-    return out
-
-
 def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: int) -> dict:
     """Greedy vanilla against the chain oracle on one random prompt: exactness, tau, speeds."""
     prompt = torch.randint(2, target.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
@@ -157,9 +133,9 @@ def run(size: str = "1b", device: str = "auto", dtype: str = "auto", new_tokens:
         target = random_target(size, dev, dt, engine)
         load_s = time.perf_counter() - start
         result = check_engine(target, prompt_len, new_tokens, depth)
-        cost = verification_cost(target, prompt_len, nodes)
-        result["verify_ms"] = {n: round(ms, 3) for n, ms in cost.items()}
-        result["verify_cost_vs_plain"] = {n: round(ms / cost[1], 3) for n, ms in cost.items()}
+        cost = measure(target, nodes, prefix=prompt_len)
+        result["verify_ms"] = {n: round(1e3 * s, 3) for n, s in zip(cost.nodes, cost.verify_s)}
+        result["verify_cost_vs_plain"] = cost.relative()
         result["load_s"] = round(load_s, 2)
         report["engines"][engine] = result
         del target

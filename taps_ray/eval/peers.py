@@ -61,7 +61,6 @@ def llamacpp(target: TargetModel, max_new_tokens: int, threads: int | None = Non
         tokens, wall, cpu = _timed(lambda: decode(ids.tolist()))
         return Run(tokens, wall, cpu, max(0, len(tokens) - 1))
 
-    run.close = model.close if hasattr(model, "close") else (lambda: None)
     return run
 
 

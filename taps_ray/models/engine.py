@@ -236,8 +236,8 @@ class StaticEngine:
         cos, sin = self.base.rotary_emb(x, positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]
         x = x[0]
-        masks = [self._masks(seg, positions[start:start + seg.n])
-                 for seg, start in zip(segments, _starts(segments))]
+        starts = _starts(segments)
+        masks = [self._masks(seg, positions[start:start + seg.n]) for seg, start in zip(segments, starts)]
         h, g, d = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.norm_in(x))
@@ -247,7 +247,7 @@ class StaticEngine:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             out = torch.empty_like(q)
-            for seg, start, mask in zip(segments, _starts(segments), masks):
+            for seg, start, mask in zip(segments, starts, masks):
                 out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
                                                         k[start:start + seg.n], v[start:start + seg.n], mask)
             x = x + layer.o_proj(out.view(-1, h * d))
