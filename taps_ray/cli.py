@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
                checkpoints.add_export, checkpoints.run_export),
     "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative",
               drafting.add_bench, drafting.run_bench),
+    "calibrate": ("measure the verification cost model of this machine, dtype, threads and engine (cached)",
+                  drafting.add_calibrate, drafting.run_calibrate),
     "train": ("train drafter variants concurrently with Ray Train", study.add_train, study.run_train),
     "adapt": ("fine-tune a drafter on captured serving traffic mixed with its original data (a new version); "
               "--watch: adapt and promote continuously beside taps serve",

@@ -117,7 +117,10 @@ class RegenerationConfig(Strict):
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature of the answers (0: greedy)")
     batch_size: int = Field(default=16, ge=1, description=(
         "prompts decoded together (throughput only: not part of the feature cache key)"))
-    seed: int = Field(default=0, description="sampling seed (offset by each batch's first row id)")
+    seed: int = Field(default=0, description="sampling seed (offset by each row's id)")
+    drafter: str | None = Field(default="auto", description=(
+        "drafter that speeds the answers up, losslessly (a folder or release:NAME; auto: the shipped "
+        "release:math drafter when it fits the target; None: plain decoding); not part of the cache key"))
 
 
 class FeaturesConfig(Strict):
@@ -179,6 +182,9 @@ class TreeConfig(Strict):
     total_tokens: int = Field(default=16, ge=2, description="nodes verified per step, the root included")
     lookup_tokens: int = Field(default=8, ge=0, description=(
         "prompt-lookup chain grafted onto each tree, at most this long (0: off)"))
+    adaptive: bool = Field(default=True, description=(
+        "size each step's tree from the measured cost model (depth, top_k, total_tokens and lookup_tokens "
+        "become upper bounds; a plain step when drafting does not pay); false pins the configured tree"))
     lookup_ngram: int = Field(default=3, ge=1, description="longest context suffix matched for the lookup")
     lookup_min_ngram: int = Field(default=2, ge=1, description=(
         "shortest suffix matched (shorter matches copy too eagerly)"))
@@ -520,6 +526,10 @@ class EvalConfig(Strict):
         "the drafters averaged, routed and merged strategies combine, in order (None: every drafter)"))
     alphas: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list, description=(
         "extra averaged:ALPHA runs of the first two compose drafters (the tau-vs-alpha curve)"))
+    method: Literal["paper", "production", "both"] = Field(default="both", description=(
+        "paper: the paper's fixed trees without prompt lookup (tau, entropy, depth tables and claims); "
+        "production: the configured tree (cost-model sizing, lookup); both: paper records for the tables "
+        "and claims, production records beside them for the speed table"))
     probe_steps: int = Field(default=2, ge=1, description=(
         "request-granularity routing: steps that probe every drafter before one is chosen"))
     recheck_every: int = Field(default=0, ge=0, description=(

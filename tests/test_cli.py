@@ -141,3 +141,24 @@ def test_adapt_refuses_flags_that_do_not_fit_together_before_loading_anything(fl
 
     assert main(["adapt", DEMO, *flags, f"output_dir={tmp_path}"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_cost_model_and_caches_it_for_every_decode(tmp_path, monkeypatch, capsys):
+    import json
+
+    from taps_ray.cli import main
+    from taps_ray.config import TargetConfig
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.cost import cost_model
+
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    assert main(["calibrate", DEMO, "target.dtype=float32", "--threads", "1", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["nodes"][0] == 1 and len(measured["verify_s"]) == len(measured["nodes"])
+    assert measured["key"]["threads"] == 1 and measured["key"]["dtype"] == "float32"
+    assert json.loads(open(measured["path"]).read())["verify_s"] == measured["verify_s"]
+    target = TargetModel.load(TargetConfig(dtype="float32"))
+    monkeypatch.setattr("taps_ray.spec.cost.measure", lambda *a, **k: pytest.fail("measured again"))
+    assert cost_model(target).verify_s == measured["verify_s"]
+    assert main(["calibrate", DEMO, "--threads", "0"]) == 2

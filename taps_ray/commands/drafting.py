@@ -49,6 +49,38 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_calibrate(parser: argparse.ArgumentParser) -> None:
+    config_args(parser)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as decoding uses)")
+    parser.add_argument("--json", action="store_true", help="print the cost model as one JSON object")
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from taps_ray.models.target import TargetModel
+    from taps_ray.spec.cost import cost_model, cost_path
+
+    cfg = load_experiment(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    target = TargetModel.load(cfg.target)
+    model = cost_model(target, refresh=True)
+    if args.json:
+        print(json.dumps({**model.to_dict(), "path": str(cost_path(model.key))}))
+        return 0
+    key = model.key
+    print(f"cost model of {cfg.target.model} on {key['hardware']} ({key['device']}, {key['dtype']}, "
+          f"{key['threads']} threads, engine {key['engine']}, torch {key['torch']}), measured in {model.measured_s:.1f} s")
+    print("| nodes | verify ms | vs plain step |\n|---:|---:|---:|")
+    for n, seconds, rel in zip(model.nodes, model.verify_s, model.relative().values()):
+        print(f"| {n} | {1e3 * seconds:.1f} | {rel:.2f}x |")
+    print(f"cached at {cost_path(key)} (every decode on this machine and setting reads it)")
+    return 0
+
+
 def add_bench(parser: argparse.ArgumentParser) -> None:
     config_args(parser)
     parser.add_argument("--drafter", default=None, metavar="DIR",

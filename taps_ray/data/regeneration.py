@@ -25,7 +25,7 @@ from taps_ray.runstate import append_jsonl, read_jsonl
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2
 
 
 def regenerations_root() -> Path:
@@ -44,7 +44,7 @@ def store_key(fingerprint: dict, dtype: str, regeneration: RegenerationConfig) -
         "format": STORE_FORMAT,
         "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},
         "dtype": dtype,
-        "regeneration": regeneration.model_dump(exclude={"batch_size"}),
+        "regeneration": regeneration.model_dump(exclude={"batch_size", "drafter"}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -332,7 +332,7 @@ def run_bench(
     }
     floor = weight_read_floor(target)
     plain_ms = 1e3 * sum(r.seconds for r in runs["vanilla"]) / max(1, sum(r.steps + 1 for r in runs["vanilla"]))
-    info.update(cost_model=cost.summary(), engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
+    info.update(cost_model=cost.describe(), engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
                 weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
                 vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
     outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}

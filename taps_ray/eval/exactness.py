@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from taps_ray.eval.records import record_method
 from taps_ray.models.target import TargetModel
 
 
@@ -138,15 +139,19 @@ def account_records(target: TargetModel, reference: TargetModel | None, records:
     """:func:`account` over an evaluation's greedy records (``prompt_ids``/``output_ids`` per turn).
 
     Every (question, turn) decoded by ``vanilla`` at T = 0 is one prompt; a strategy is compared on each
-    turn up to and including its first differing turn (later turns had another conversation).
+    turn up to and including its first differing turn (later turns had another conversation); a
+    production-method record counts as its own method, ``STRATEGY (production)``.
     """
     greedy = [r for r in records if float(r["temperature"]) == 0 and "output_ids" in r]
     vanilla = {(r["benchmark"], str(r["question_id"])): r for r in greedy if r["strategy"] == "vanilla"}
     keys = [(key, turn) for key, r in vanilla.items() for turn in range(len(r["output_ids"]))]
     prompts = [torch.tensor(vanilla[key]["prompt_ids"][turn], dtype=torch.long) for key, turn in keys]
     outputs: dict[str, list[list[int]]] = {"vanilla": [vanilla[key]["output_ids"][turn] for key, turn in keys]}
-    others = sorted({r["strategy"] for r in greedy} - {"vanilla"})
-    by_key = {(r["benchmark"], str(r["question_id"]), r["strategy"]): r for r in greedy}
+    def label(r: dict) -> str:
+        return r["strategy"] if record_method(r) == "paper" else f"{r['strategy']} ({record_method(r)})"
+
+    others = sorted({label(r) for r in greedy} - {"vanilla"})
+    by_key = {(r["benchmark"], str(r["question_id"]), label(r)): r for r in greedy}
     for strategy in others:
         outputs[strategy] = []
         for (key, turn), reference_output in zip(keys, outputs["vanilla"]):

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from taps_ray.config import EvalConfig, ExperimentConfig
+from taps_ray.config import EvalConfig, ExperimentConfig, TreeConfig
 from taps_ray.data.benchmarks import BENCHMARKS
 from taps_ray.data.contamination import ContaminationError, read_trained_prompts
 from taps_ray.models.drafter import WEIGHTS_NAME
@@ -36,8 +36,10 @@ class EvalError(ValueError):
 class EvalPlan:
     """Everything a worker needs, resolved from the config (plain data, sent to Ray actors).
 
-    ``strategies`` are concrete names in run order (vanilla first); ``drafters`` name -> folder or
-    ``random:SEED``; ``compose`` the drafters that composed strategies combine, in order;
+    ``strategies`` are concrete names in run order (vanilla first), decoded with ``tree`` (``method``:
+    ``paper``, the paper's fixed tree without lookup, or ``production``, the configured one); with
+    ``production_tree`` every drafting strategy is also decoded with it (records of method
+    ``production``, for the speed table); ``drafters`` name -> folder or ``random:SEED``; ``compose`` the drafters that composed strategies combine, in order;
     ``excluded_prompts`` a digest of the training prompts those drafters record (None: none recorded).
     """
 
@@ -59,12 +61,15 @@ class EvalPlan:
     threads: int | None = None
     drafter_ids: dict[str, dict] = field(default_factory=dict)
     excluded_prompts: str | None = None
+    method: str = "paper"
+    production_tree: dict | None = None
 
     def identity(self) -> dict:
         """The settings existing records depend on: a resumed run must match them."""
         return {
             "target": {k: self.target.get(k) for k in ("model", "dtype", "max_context")},
             "tree": self.tree,
+            **({"production_tree": self.production_tree} if self.production_tree else {}),
             "max_new_tokens": self.max_new_tokens,
             "sampling": {"top_p": self.top_p, "top_k": self.top_k, "seed": self.seed},
             "routing": {"probe_steps": self.probe_steps, "recheck_every": self.recheck_every},
@@ -147,6 +152,11 @@ def expand_strategies(names: Iterable[str], drafters: list[str], compose: list[s
     return out
 
 
+def paper_tree(tree: TreeConfig) -> TreeConfig:
+    """The paper's tree of ``tree``: the same EAGLE-2 dynamic tree, fixed in size, without prompt lookup."""
+    return tree.model_copy(update={"adaptive": False, "lookup_tokens": 0})
+
+
 def make_plan(cfg: ExperimentConfig) -> EvalPlan:
     """Resolve ``cfg.eval`` against the experiment: concrete strategies, drafter identities, checks."""
     ev: EvalConfig = cfg.eval
@@ -169,8 +179,11 @@ def make_plan(cfg: ExperimentConfig) -> EvalPlan:
     used = {n for s in strategies for n in drafters_of(s, compose)}
     ids = {name: _drafter_identity(name, src) for name, src in drafters.items() if name in used}
     seen = trained_prompts_of({n: drafters[n] for n in drafters if n in used})
+    paper = paper_tree(cfg.tree).model_dump()
     return EvalPlan(
-        target=cfg.target.model_dump(), tree=cfg.tree.model_dump(), benchmarks=list(ev.benchmarks),
+        target=cfg.target.model_dump(), tree=cfg.tree.model_dump() if ev.method == "production" else paper,
+        method="production" if ev.method == "production" else "paper",
+        production_tree=cfg.tree.model_dump() if ev.method == "both" else None, benchmarks=list(ev.benchmarks),
         strategies=strategies, temperatures=[float(t) for t in ev.temperatures], limit=ev.limit,
         max_new_tokens=ev.max_new_tokens, drafters={n: drafters[n] for n in drafters if n in used}, compose=compose,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, probe_steps=ev.probe_steps,

@@ -47,7 +47,11 @@ def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
         rows = rows_at(tables, "speed", t)
         if rows:
             fig, ax = plt.subplots(figsize=_bar_chart_size(rows))
-            ax.barh([r["strategy"] for r in rows][::-1], [r["speedup"] for r in rows][::-1], color="#6a9f58")
+            methods = {r.get("method", "paper") for r in rows if r["strategy"] != "vanilla"}
+            names = [r["strategy"] if len(methods) < 2 or r["strategy"] == "vanilla"
+                     else f"{r['strategy']} ({r['method']})" for r in rows]
+            colors = ["#3f7fbf" if r.get("method") == "production" else "#6a9f58" for r in rows]
+            ax.barh(names[::-1], [r["speedup"] for r in rows][::-1], color=colors[::-1])
             ax.axvline(1.0, color="gray", linestyle="--")
             written.append(_save(fig, ax, out / f"speedup_{label}.png",
                                  "speedup vs vanilla (tokens/s ratio, same prompts)", f"Wall-clock speedup, T={t:g}"))

@@ -15,8 +15,14 @@ RUN_FILE = "run.json"
 
 
 def record_key(record: dict) -> tuple:
-    """A record's identity: (benchmark, question id as text, strategy, temperature)."""
-    return record["benchmark"], str(record["question_id"]), record["strategy"], float(record["temperature"])
+    """A record's identity: (benchmark, question id as text, strategy, temperature, method)."""
+    return (record["benchmark"], str(record["question_id"]), record["strategy"], float(record["temperature"]),
+            record_method(record))
+
+
+def record_method(record: dict) -> str:
+    """How the record was decoded: ``paper`` (fixed tree, no lookup; also older records) or ``production``."""
+    return record.get("method", "paper")
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -116,9 +116,12 @@ def alpha_section(tables: dict, data: Records, t: float) -> list[str]:
 
 def speed_section(tables: dict, data: Records, t: float) -> list[str]:
     return _table_section("Wall-clock speed and verification cost", rows_at(tables, "speed", t),
-                         ["strategy", "questions", "tau", "tokens_per_s", "speedup", "tree_size", "union_size",
-                          "draft_ms_per_step", "verify_ms_per_step", "same_output_as_vanilla"],
-                         "tokens/s over whole generate calls (prefill included) on the questions vanilla also ran.")
+                         ["strategy", "method", "questions", "tau", "tokens_per_s", "speedup", "tree_size",
+                          "union_size", "draft_ms_per_step", "verify_ms_per_step", "same_output_as_vanilla"],
+                         "tokens/s over whole generate calls (prefill included) on the questions vanilla also ran. "
+                         "`paper`: the paper's fixed trees without prompt lookup, which every other table uses; "
+                         "`production`: the configured tree, sized each step by the measured cost model "
+                         "(a plain step where drafting does not pay), with prompt lookup as configured.")
 
 
 SECTIONS = (tau_section, routing_section, entropy_section, depth_section, alpha_section, speed_section)
@@ -141,6 +144,9 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
     lines += [f"- target: `{ident.get('target', {}).get('model')}`; tree: {ident.get('tree')}; "
               f"max_new_tokens: {ident.get('max_new_tokens')}",
               "- drafters: " + ", ".join(f"`{n}` = {src}" for n, src in run.get("drafters", {}).items()),
+              *([f"- production tree (speed table rows `production`): {ident['production_tree']}"]
+                if ident.get("production_tree") else []),
+              *[f"- cost model of the production records: {cost}" for cost in tables.get("cost_models", [])],
               f"- records: {len(data.records)}; temperatures: {data.temperatures}; benchmarks: {b}",
               "- tau = appended tokens per target verification step (accepted + bonus), micro-averaged per "
               "benchmark; avg = mean over benchmarks.", ""]

@@ -96,10 +96,12 @@ def plan_units(plan: EvalPlan, questions: dict[str, list[BenchmarkQuestion]], do
                 continue
             question = questions[bench][i]
             for temperature in plan.temperatures:
-                todo = [s for s in plan.strategies
-                        if (bench, str(question.question_id), s, temperature) not in done]
-                if todo:
-                    units.append(Unit(question, temperature, todo))
+                key = (bench, str(question.question_id))
+                todo = [s for s in plan.strategies if (*key, s, temperature, plan.method) not in done]
+                production = [s for s in plan.strategies if plan.production_tree and s != "vanilla"
+                              and (*key, s, temperature, "production") not in done]
+                if todo or production:
+                    units.append(Unit(question, temperature, todo, production))
     return units
 
 
@@ -178,7 +180,7 @@ def _run_in(out: Path, plan: EvalPlan, questions: dict[str, list[BenchmarkQuesti
     questions = selection.questions
     done = {record_key(r) for r in done_records}
     units = plan_units(plan, questions, done)
-    total = sum(len(u.strategies) for u in units)
+    total = sum(len(u.strategies) + len(u.production) for u in units)
     log.info("eval: %d strategies x %d temperatures on %s; %d records done, %d to run in %d units",
              len(plan.strategies), len(plan.temperatures), {b: len(q) for b, q in questions.items()},
              len(done_records), total, len(units))

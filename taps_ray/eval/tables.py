@@ -7,6 +7,10 @@ acceptance at depth d = accepted / (accepted + rejected) draft tokens at d; step
 path ended at a leaf before d tried nothing there and are counted apart (``leaf<d>``), not as
 rejections. A question is routed to the drafter that verified most of its steps. Speedup = tokens/s of a
 strategy / tokens/s of vanilla on the same questions of the same run.
+
+Records of two methods never mix (:func:`~taps_ray.eval.records.record_method`): every table but speed is
+computed from the paper-method records (the paper's fixed trees, no lookup) when the run has any, else
+from the production ones; the speed table has rows of both, each against the same vanilla records.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+from taps_ray.eval.records import record_method
 from taps_ray.spec import stats
+
+METHODS = ("paper", "production")
 
 MATH_BENCHMARKS = ("gsm8k", "math_500", "svamp")
 CHAT_BENCHMARKS = ("mt_bench",)
@@ -183,6 +190,17 @@ def alpha_table(data: Records) -> list[dict]:
     return sorted(rows, key=lambda r: (r["temperature"], r["alpha"]))
 
 
+def of_method(records: list[dict], method: str) -> list[dict]:
+    """The records of ``method``, vanilla's included whatever method it was recorded under."""
+    return [r for r in records if r["strategy"] == "vanilla" or record_method(r) == method]
+
+
+def primary_method(records: list[dict]) -> str:
+    """The method the tau, entropy and depth tables use: ``paper`` when the run has paper records."""
+    drafting = {record_method(r) for r in records if r["strategy"] != "vanilla"}
+    return "paper" if "paper" in drafting or not drafting else "production"
+
+
 def speed_table(data: Records) -> list[dict]:
     """Rows (temperature, strategy): tokens/s against vanilla on the same questions, speedup, tau,
     verified tree size (and the union before pruning), draft / verify ms per step, share of questions
@@ -218,7 +236,11 @@ def rows_at(tables: dict, name: str, t: float, pooled: bool = False) -> list[dic
 def compute_tables(records: list[dict]) -> tuple[dict, Records]:
     """Every table of the report (``tau``, ``routing``, ``entropy``, ``depth``, ``alpha``, ``speed``) and the
     grouped records; :func:`taps_ray.eval.report.build_tables` adds the claims."""
-    data = Records(records)
+    data = Records(of_method(records, primary_method(records)))
+    speed = [{**row, "method": method} for method in METHODS
+             for row in speed_table(Records(of_method(records, method)))
+             if row["strategy"] != "vanilla" or method == primary_method(records)]
     tables = {"tau": tau_table(data), "routing": routing_table(data), "entropy": entropy_table(data),
-              "depth": depth_table(data), "alpha": alpha_table(data), "speed": speed_table(data)}
+              "depth": depth_table(data), "alpha": alpha_table(data), "speed": speed,
+              "cost_models": sorted({r["cost_model"] for r in records if r.get("cost_model")})}
     return tables, data

@@ -13,7 +13,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,11 +108,13 @@ def make_record(question: BenchmarkQuestion, strategy: str, drafters: list[str],
 
 @dataclass
 class Unit:
-    """One question at one temperature and the strategies still to run on it."""
+    """One question at one temperature, the strategies still to run on it with the plan's tree, and those
+    still to run with its production tree."""
 
     question: BenchmarkQuestion
     temperature: float
     strategies: list[str]
+    production: list[str] = field(default_factory=list)
 
 
 class EvalWorker:
@@ -128,22 +130,26 @@ class EvalWorker:
         self.target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
         self.drafters: dict[str, DraftHead] = {
             name: load_drafter_source(self.target, name, source) for name, source in plan.drafters.items()}
-        tree = TreeConfig(**plan.tree)
-        self.strategies = {
-            name: build_strategy(name, {n: self.drafters[n] for n in plan.drafters_of(name)}, tree,
-                                 probe_steps=plan.probe_steps, recheck_every=plan.recheck_every)
-            for name in plan.strategies
-        }
+        self.strategies = self._build(plan.tree)
+        self.production = self._build(plan.production_tree, skip_vanilla=True) if plan.production_tree else {}
         if warmup:
             ids = torch.arange(2, 10, device=self.target.device) % self.target.vocab_size
-            for strategy in self.strategies.values():
+            for strategy in [*self.strategies.values(), *self.production.values()]:
                 generate(self.target, ids, strategy, None, 3, collect_entropy=True)
 
+    def _build(self, tree: dict, skip_vanilla: bool = False) -> dict:
+        """One strategy object per plan strategy, drafting with ``tree``."""
+        cfg = TreeConfig(**tree)
+        return {name: build_strategy(name, {n: self.drafters[n] for n in self.plan.drafters_of(name)}, cfg,
+                                     probe_steps=self.plan.probe_steps, recheck_every=self.plan.recheck_every)
+                for name in self.plan.strategies if not (skip_vanilla and name == "vanilla")}
+
     def run(self, unit: Unit) -> list[dict]:
-        """Records of ``unit``'s strategies, in order."""
+        """Records of ``unit``'s strategies, in order, then of its production runs."""
+        runs = [(name, self.strategies[name], self.plan.method) for name in unit.strategies]
+        runs += [(name, self.production[name], "production") for name in unit.production]
         records = []
-        for name in unit.strategies:
-            strategy = self.strategies[name]
+        for name, strategy, method in runs:
             results: list[GenerationResult] = []
             prompts: list[list[int]] = []
             for turn in range(len(unit.question.turns)):
@@ -153,6 +159,10 @@ class EvalWorker:
                                           seed=sampling_seed(unit.question, turn, self.plan.seed))
                 results.append(generate(self.target, ids, strategy, sampling, self.plan.max_new_tokens))
             record = make_record(unit.question, name, self.plan.drafters_of(name), unit.temperature, results)
+            record["method"] = method
+            budget = getattr(strategy, "tree_budget", None)
+            if budget is not None and budget.cost is not None:
+                record["cost_model"] = budget.cost.describe()
             record["worker"] = os.getpid()
             record["prompt_ids"] = prompts
             record["output_ids"] = [r.token_ids for r in results]

@@ -183,6 +183,7 @@ class RemoteStrategy:
         self.failures: Counter = Counter()
         self.resume_at: dict[str, int] = {}
         self.steps: list[StepInfo] = []
+        self._proposed = False
         self.skips: dict[str, Counter] = defaultdict(Counter)
         self.device = torch.device("cpu")
         self._tokens = torch.empty(0, dtype=torch.long)
@@ -204,6 +205,7 @@ class RemoteStrategy:
         self._check()
         info = StepInfo()
         self.steps.append(info)
+        self._proposed = True
         if not self.names:
             return None
         budget = None if self.node_budget is None else max(1, self.node_budget())
@@ -275,6 +277,9 @@ class RemoteStrategy:
 
     def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self._append(tokens.cpu(), features.cpu())
+        if not self._proposed:
+            self.steps.append(StepInfo())
+        self._proposed = False
         if self.steps:
             self.steps[-1].accepted, self.steps[-1].appended = tokens.numel() - 1, tokens.numel()
         self._emit(tokens)

@@ -169,6 +169,7 @@ class Ingress:
         self._ready: tuple[float, dict] | None = None
         self._drafters: tuple[float, dict[str, list[dict]]] | None = None
         self._controller = None
+        self._cost_asked = -math.inf
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
         self.admission = Admission(self.cfg.verifier_replicas * self.cfg.max_concurrent_requests
                                    + self.cfg.max_queued_requests)
@@ -190,8 +191,25 @@ class Ingress:
             drafters[name].update(served_versions(stats))
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "taps_ray",
-            "taps": {"default_strategy": self.cfg.strategy, "drafters": drafters},
+            "taps": {"default_strategy": self.cfg.strategy, "drafters": drafters,
+                     "cost_model": await self.cost_model()},
         }]}
+
+    async def cost_model(self) -> dict | None:
+        """The verifier's cost model: as the last finished request reported it, else asked once of the
+        verifier at most every :data:`DRAFTERS_CACHE_S` (None when it does not answer within
+        :data:`READY_TIMEOUT_S` or trees are fixed)."""
+        now = time.monotonic()
+        if self.metrics.cost_model is None and now - self._cost_asked > DRAFTERS_CACHE_S:
+            self._cost_asked = now
+            try:
+                info = await asyncio.wait_for(self.verifier.info.remote(), READY_TIMEOUT_S)
+            except Exception as err:
+                log.info("no cost model from the verifier: %r", err)
+                return None
+            if info.get("cost_model"):
+                self.metrics.record_cost(info["cost_model"])
+        return self.metrics.cost_model
 
     @app.get("/health")
     async def health(self):
@@ -253,6 +271,7 @@ class Ingress:
     @app.get("/metrics")
     async def metrics(self):
         await self.drafter_replicas()
+        await self.cost_model()
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def _serve(self, http: Request, body, prompt, prompt_param: str, chat: bool):

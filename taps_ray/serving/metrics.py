@@ -111,6 +111,10 @@ SERIES = {s.name: s for s in (
            attribute="drafter_versions"),
     Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",),
            attribute="strategy_requests"),
+    Series("gauge", "taps_plain_step_seconds", "A plain verification step's seconds in the verifier's cost model "
+           "(tree.adaptive; measured at first use or by taps calibrate)", attribute="plain_step_s"),
+    Series("gauge", "taps_verify_cost_relative", "Verification cost of a tree of this many nodes relative to a plain "
+           "step, in the verifier's cost model", ("nodes",), attribute="verify_cost"),
     Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS,
            attribute="tau"),
     Series("histogram", "taps_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
@@ -212,6 +216,7 @@ class ServingMetrics:
 
     def __init__(self, model: str, names: MetricsNames = "taps"):
         self.model = model
+        self.cost_model: dict | None = None
         self.registry = CollectorRegistry()
         for series in SERIES.values():
             both = (series.name, series.vllm) if names == "vllm" and series.vllm else (series.name,)
@@ -238,6 +243,8 @@ class ServingMetrics:
         for drafter, reasons in taps["skipped"].items():
             for reason, count in reasons.items():
                 self.drafter_skips.labels(m, drafter, reason).inc(count)
+        if taps.get("cost_model"):
+            self.record_cost(taps["cost_model"])
         if taps["tau"] is not None:
             self.tau.labels(m).observe(taps["tau"])
         self.e2e.labels(m).observe(latency_s)
@@ -247,6 +254,13 @@ class ServingMetrics:
                 self.tpot.labels(m).observe((latency_s - ttft_s) / (usage["completion_tokens"] - 1))
             if taps["steps"]:
                 self.itl.labels(m).observe((latency_s - ttft_s) / taps["steps"], times=taps["steps"])
+
+    def record_cost(self, cost: dict) -> None:
+        """Keep the verifier's cost model (:meth:`~taps_ray.serving.verifier.Verifier.cost_info`) and set its gauges."""
+        self.cost_model = cost
+        self.plain_step_s.labels(self.model).set(cost["plain_step_ms"] / 1e3)
+        for nodes, relative in cost["relative"].items():
+            self.verify_cost.labels(self.model, str(nodes)).set(relative)
 
     def failed(self, status: int) -> None:
         self.failure.labels(self.model, str(status)).inc()

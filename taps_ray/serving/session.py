@@ -26,6 +26,7 @@ from taps_ray.serving.drafting import RemoteStrategy, StepInfo, StopGeneration
 from taps_ray.serving.logprobs import LogprobStream, TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.spec import stats
+from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.stats import StepRecord
 
@@ -103,21 +104,23 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
     (:func:`~taps_ray.spec.stats.stop_trimmed`) when a stop sequence ended the response earlier."""
     if records is not None:
         accepted, appended = [r.accepted for r in records], [r.appended for r in records]
+        sizes = [r.tree_size for r in records]
     else:
         accepted = [s.accepted or 0 for s in steps]
         appended = [s.appended or 0 for s in steps]
+        sizes = [s.tree_size for s in steps]
     if completion_tokens is not None:
         appended = stats.stop_trimmed(appended, max(completion_tokens - 1, 0))
     tau = stats.acceptance_length(sum(appended), len(appended))
     routes = [s.route for s in steps if s.route is not None]
     out = {
-        "strategy": plan.name, "drafters": list(plan.drafters), "steps": len(steps),
+        "strategy": plan.name, "drafters": list(plan.drafters), "steps": len(sizes),
         "tau": None if math.isnan(tau) else tau,
         "accept_lengths": accepted,
-        "draft_tokens": sum(s.tree_size - 1 for s in steps),
+        "draft_tokens": sum(n - 1 for n in sizes),
         "accepted_tokens": sum(accepted),
-        "drafted_steps": sum(s.tree_size > 1 for s in steps),
-        "plain_steps": sum(s.tree_size <= 1 for s in steps),
+        "drafted_steps": sum(n > 1 for n in sizes),
+        "plain_steps": sum(n <= 1 for n in sizes),
         "shrunk_steps": sum(s.shed > 0 or s.load_plain for s in steps),
         "shed_draft_tokens": sum(s.shed for s in steps),
         "route_decisions": dict(Counter(routes)),
@@ -137,11 +140,15 @@ def summarize(plan: Plan, steps: list[StepInfo], skips: dict, prefill_s: float |
 class DecodeSession:
     """The events of one request (``emit`` receives them): ``delta`` texts while the loop runs, then
     ``done``. Build it, hand :meth:`on_tokens` to the :class:`RemoteStrategy` as its ``on_tokens``,
-    then :meth:`run` the loop. ``capture``: where the finished request goes (None: nowhere)."""
+    then :meth:`run` the loop. ``capture``: where the finished request goes (None: nowhere); ``budget``: the
+    tree budget its steps are sized by (None: every tree verified whole), and ``cost``: the cost model it
+    uses, as the ``taps`` block reports it."""
 
     def __init__(self, target: TargetModel, request: DecodeRequest, emit: Callable[[dict], None],
-                 pieces: TokenPieces | None, capture: CaptureWriter | None = None):
+                 pieces: TokenPieces | None, capture: CaptureWriter | None = None, budget: TreeBudget | None = None,
+                 cost: dict | None = None):
         self.target, self.request, self.emit, self.capture = target, request, emit, capture
+        self.budget, self.cost = budget, cost
         self.text = TextStream(target.tokenizer, request.stop)
         self.logprobs = LogprobStream(pieces, request.logprobs) if request.logprobs is not None else None
         self.given = 0
@@ -170,7 +177,7 @@ class DecodeSession:
             self.result = generate(self.target, torch.tensor(ids), strategy, sampling, max_tokens,
                                    logprobs=self.request.logprobs,
                                    on_logprobs=self.logprobs.add if self.logprobs is not None else None,
-                                   feature_sink=sink)
+                                   feature_sink=sink, budget=self.budget)
         except StopGeneration as stop:
             if stop.reason != "stop":
                 return stop.reason
@@ -208,6 +215,8 @@ class DecodeSession:
         completion = text.used
         taps = summarize(self.request.plan, strategy.steps, strategy.skip_counts, prefill_s, total_s, records,
                          completion)
+        if self.cost is not None:
+            taps["cost_model"] = self.cost
         self.emit(self.with_logprobs({
             "type": "done", "delta": delta, "text": text.text, "finish_reason": finish,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

@@ -29,6 +29,7 @@ from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.session import DecodeSession
 from taps_ray.spec.batch import BatchingTarget, ForwardBatcher
+from taps_ray.spec.cost import TreeBudget, cost_model
 from taps_ray.spec.decoder import check_sampling
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class Verifier:
                 log.exception("serve.capture: writing the last buffered rows failed")
 
     def _init_counts(self) -> None:
+        """The replica's runtime state: counts, the batcher, the cost model and tree budgets."""
+        self.cost = cost_model(self.target) if self.tree.adaptive else None
+        self.budgets: dict[str, TreeBudget] = {}
         self.active = 0
         self.waiting = 0
         self.counts: Counter = Counter()
@@ -101,6 +105,27 @@ class Verifier:
         self._supports: dict[frozenset[str], torch.Tensor | None] = {}
         self.batcher = ForwardBatcher(self.target, self.cfg.batch_max_requests, self.cfg.batch_wait_ms / 1000,
                                       expected=lambda: self.active)
+        self.batched = BatchingTarget(self.target, self.batcher)
+
+    def budget(self, plan: Plan) -> TreeBudget | None:
+        """The tree budget of ``plan`` (one per strategy and drafters, shared by its requests, which all
+        verify on this replica's batches), or None when ``tree.adaptive`` is off."""
+        if self.cost is None or plan.kind == "vanilla":
+            return None
+        key = f"{plan.name}|{','.join(plan.drafters)}"
+        with self._active_lock:
+            if key not in self.budgets:
+                self.budgets[key] = TreeBudget(self.cost)
+            return self.budgets[key]
+
+    def cost_info(self) -> dict | None:
+        """The cost model the tree budgets use (None: fixed trees): a plain step's ms, each node count's
+        verification cost relative to it, and what it was measured on."""
+        if self.cost is None:
+            return None
+        key = self.cost.key
+        return {"plain_step_ms": round(1e3 * self.cost.plain_s, 3), "relative": self.cost.relative(),
+                **{k: key.get(k) for k in ("hardware", "dtype", "threads", "engine")}}
 
     def _support(self, plan: Plan, timeout_s: float) -> torch.Tensor | None:
         """The drafting support of ``plan`` (:func:`plan_support`), computed once per set of drafters
@@ -130,11 +155,11 @@ class Verifier:
         decode loops running now (prefill included), ``waiting``: requests accepted but not yet started,
         ``outcomes``: how past requests ended (``finished``, ``refused``, ``failed``, ``cancelled`` /
         ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``), ``batches``:
-        target forwards run so far per number of requests they verified."""
+        target forwards run so far per number of requests they verified; ``cost_model``: :meth:`cost_info`."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
                 "pid": os.getpid(), "node_id": node_id(), "rss_bytes": rss_bytes(), "active": self.active,
                 "waiting": self.waiting,
-                "outcomes": dict(self.counts), "batches": dict(self.batcher.sizes)}
+                "outcomes": dict(self.counts), "batches": dict(self.batcher.sizes), "cost_model": self.cost_info()}
 
     async def generate(self, request: DecodeRequest):
         loop = asyncio.get_running_loop()
@@ -203,8 +228,8 @@ class Verifier:
             return stopped
         emit({"type": "start", "prompt_tokens": len(ids), "max_tokens": max_tokens})
         capture = self.capture if self.capture is not None and self.capture.sampled() else None
-        session = DecodeSession(BatchingTarget(self.target, self.batcher), request, emit,
-                                self.pieces if request.logprobs is not None else None, capture)
+        session = DecodeSession(self.batched, request, emit, self.pieces if request.logprobs is not None else None,
+                                capture, self.budget(request.plan), self.cost_info())
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
                                   session.on_tokens, cancel, expires, self.cfg.route_probe_steps,

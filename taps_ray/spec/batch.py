@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache, Segment
 from taps_ray.models.target import TargetModel, TargetOutput
+from taps_ray.spec.cost import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.tree import DraftCompute, draft_log_probs
 
@@ -317,10 +318,13 @@ class DraftBatcher(DraftCompute):
 
 
 class BatchingTarget:
-    """``target`` with its ``forward`` run through ``batcher``; every other attribute is the target's."""
+    """``target`` with its ``forward`` run through ``batcher``; every other attribute is the target's.
+    ``batch_load``: the last step of each request decoding on it, which a
+    :class:`~taps_ray.spec.cost.TreeBudget` counts as the rest of its batch."""
 
     def __init__(self, target: TargetModel, batcher: ForwardBatcher):
         self._target, self._batcher = target, batcher
+        self.batch_load = BatchLoad()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                 attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:

@@ -40,6 +40,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
+from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.strategy import GRANULARITIES, SIGNALS, StrategySpec, parse_strategy
@@ -308,7 +309,8 @@ def build_strategy(
 
     ``drafters`` is a list (named by ``names``, else their metadata ``name``, else ``d0, d1, ..``) or a
     name -> drafter mapping, in routing / merge order; ``single:NAME`` picks one by name, ``single``
-    the first. ``weights`` [K] override the uniform average of ``averaged``; ``probe_steps`` and
+    the first. A drafting strategy carries a fresh :class:`~taps_ray.spec.cost.TreeBudget` as ``tree_budget``
+    (each step's tree sized by the cost model) unless ``tree_cfg.adaptive`` is off. ``weights`` [K] override the uniform average of ``averaged``; ``probe_steps`` and
     ``recheck_every`` set ``request`` routing. ValueError for too few drafters, drafters of different
     targets, alpha or weights out of range, or an unknown drafter name.
     """
@@ -334,8 +336,11 @@ def build_strategy(
     elif spec.kind == "averaged":
         strategy = SingleStrategy(average_drafters(heads, averaging_weights(spec, len(heads), weights)), tree_cfg)
     elif spec.kind == "routed":
-        return RoutedStrategy(heads, names, tree_cfg, spec.signal, spec.granularity, probe_steps, recheck_every)
+        strategy = RoutedStrategy(heads, names, tree_cfg, spec.signal, spec.granularity, probe_steps, recheck_every)
     else:
-        return MergedStrategy(heads, names, tree_cfg, budget=spec.merge == "budget")
-    strategy.name = spec.name
+        strategy = MergedStrategy(heads, names, tree_cfg, budget=spec.merge == "budget")
+    if isinstance(strategy, SingleStrategy):
+        strategy.name = spec.name
+    if tree_cfg is None or tree_cfg.adaptive:
+        strategy.tree_budget = TreeBudget()
     return strategy

@@ -11,7 +11,15 @@ log-prob, which EAGLE-2 ranks by; ``exp(score)`` before anything is observed), t
 ``E(n) = 1 + sum_{i < n} p_i`` tokens for ``draft_s + verify(n)`` seconds, and the budget keeps the n
 that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting has not
 paid for a while (its realised tokens per second below a plain step's) it skips drafting, probing again
-every ``probe_every`` steps. The choice changes which tokens are proposed, never which are accepted.
+every ``probe_every`` steps. The cached model gives the shape of the cost curve; its level follows the
+run (:attr:`TreeBudget.scale`: observed verification seconds over the model's), so a host busier or
+idler than when it was measured does not misjudge drafting's own seconds against it. The choice changes which tokens are proposed, never which are accepted.
+
+In a batch (several requests verified by one forward, :mod:`taps_ray.spec.batch`) the forward's time is
+shared: :class:`BatchLoad` holds each request's last rows and appended tokens, and a request with ``R``
+other rows expected to append ``S`` tokens keeps the n that maximises
+``(E(n) + S) / (draft_s + verify(R + n))`` -- the batch's tokens per second -- so a busy verifier
+drafts less (R = S = 0 alone).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hashlib
 import json
 import os
 import platform
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +74,12 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         return cls(**data)
+
+    def describe(self) -> str:
+        """:meth:`summary` with what it was measured on (hardware, dtype, threads, engine)."""
+        k = self.key
+        return (f"{self.summary()} ({k.get('hardware')}, {k.get('dtype')}, {k.get('threads')} threads, "
+                f"engine {k.get('engine')})")
 
     def summary(self) -> str:
         """One line: a plain step's milliseconds and each size's cost relative to it."""
@@ -133,6 +148,11 @@ def cache_dir() -> Path:
     return artifacts.cache_dir() / "cost"
 
 
+def cost_path(key: dict) -> Path:
+    """Where the cost model of fingerprint ``key`` is cached."""
+    return cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+
+
 def cost_model(target, refresh: bool = False) -> CostModel:
     """The cached :class:`CostModel` of ``target`` on this machine (measured and stored when missing, stale
     or ``refresh``); kept on the target object for the process."""
@@ -140,8 +160,7 @@ def cost_model(target, refresh: bool = False) -> CostModel:
     held = getattr(target, "_cost_model", None)
     if held is not None and held.key == key and not refresh:
         return held
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{digest}.json"
+    path = cost_path(key)
     model = None
     if path.is_file() and not refresh:
         try:
@@ -160,13 +179,38 @@ def cost_model(target, refresh: bool = False) -> CostModel:
     return model
 
 
+class BatchLoad:
+    """The rows and appended tokens of each request's last step in one shared verifier (thread-safe):
+    what the other requests of a batch add to a forward (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple[int, int]] = {}
+
+    def note(self, key: int, rows: int, tokens: int) -> None:
+        with self._lock:
+            self._last[key] = (rows, tokens)
+
+    def drop(self, key: int) -> None:
+        with self._lock:
+            self._last.pop(key, None)
+
+    def others(self, key: int) -> tuple[int, int]:
+        """(rows, tokens) of every request but ``key`` at its last step."""
+        with self._lock:
+            rows = sum(r for k, (r, _) in self._last.items() if k != key)
+            tokens = sum(t for k, (_, t) in self._last.items() if k != key)
+        return rows, tokens
+
+
 SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """Bins of a node's path score (cumulative draft log-prob): (-0.25, 0], (-0.5, -0.25], .., below -6."""
 
 
 class TreeBudget:
     """Per-step tree sizes for one drafting strategy (see the module docstring); share one across that
-    strategy's requests so that its calibration carries over. ``decay``: weight of the past per observed
+    strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
+    :func:`cost_model`, taken by :meth:`bind` when a decode starts); ``decay``: weight of the past per observed
     step; ``probe_every``: how often a step drafts while drafting does not pay; ``explore_every``: how often
     a drafted step verifies its whole tree, so that every score bin keeps being observed.
 
@@ -178,7 +222,7 @@ class TreeBudget:
 
     KINDS = ("draft", "lookup")
 
-    def __init__(self, cost: CostModel, decay: float = 0.98, probe_every: int = 8, explore_every: int = 4,
+    def __init__(self, cost: CostModel | None = None, decay: float = 0.98, probe_every: int = 8, explore_every: int = 4,
                  prior: float = 2.0):
         self.cost, self.decay, self.probe_every, self.explore_every = cost, decay, probe_every, explore_every
         self._edges = torch.tensor(SCORE_EDGES, dtype=torch.float64)
@@ -192,7 +236,15 @@ class TreeBudget:
         self._plain_s: float | None = None
         self._skipped = 0
         self._drafted = 0
+        self._scaled = 0
+        self.scale = 1.0
         self.chosen: list[int] = []
+
+    def bind(self, target) -> TreeBudget:
+        """Take ``target``'s cost model on this machine when none was given (measured at first use)."""
+        if self.cost is None:
+            self.cost = cost_model(target)
+        return self
 
     def rates(self, kind: str = "draft") -> torch.Tensor:
         """[bins] the acceptance rate of ``kind`` nodes per score bin (observed, with the prior)."""
@@ -205,7 +257,7 @@ class TreeBudget:
         """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
         step's (as observed in this run when plain steps were seen, else the cost model's), and then once
         every ``probe_every`` steps."""
-        plain_s = self._plain_s if self._plain_s is not None else self.cost.plain_s
+        plain_s = self._plain_s if self._plain_s is not None else self.cost.plain_s * self.scale
         if self._spec_rate is None or self._spec_rate >= 1.0 / plain_s:
             return True
         self._skipped += 1
@@ -231,9 +283,10 @@ class TreeBudget:
         chance[0] = 1.0
         return torch.where(tree.mask.cpu(), chance[None, :], torch.inf).min(1).values[1:]
 
-    def choose(self, tree: DraftTree, draft_s: float) -> DraftTree | None:
+    def choose(self, tree: DraftTree, draft_s: float, others: tuple[int, int] = (0, 0)) -> DraftTree | None:
         """The ``n`` nodes of ``tree`` most likely accepted, for the n that maximises expected tokens per
-        second, or None when a plain step (n = 1) does; every ``explore_every``-th call the whole tree."""
+        second, or None when a plain step (n = 1) does; every ``explore_every``-th call the whole tree.
+        ``others``: the rows and expected tokens of the other requests in the same forward."""
         if tree.size <= 1:
             return None
         self._drafted += 1
@@ -242,9 +295,10 @@ class TreeBudget:
             return tree
         chance = self.chance(tree)
         order = torch.sort(chance, descending=True, stable=True).indices
-        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)])
+        rows, tokens = others
+        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)]) + tokens
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
-        seconds = self.cost.verify(sizes) + draft_s
+        seconds = self.scale * self.cost.verify(sizes + rows) + draft_s
         n = int((expected / seconds).argmax()) + 1
         self.chosen.append(n)
         if n == 1:
@@ -257,10 +311,16 @@ class TreeBudget:
             kept.meta["lookup_nodes"] = int(self._is_lookup(tree)[keep].sum())
         return kept
 
-    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, seconds: float) -> None:
+    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, seconds: float,
+                verify_s: float | None = None, rows: int = 0) -> None:
         """After a step: the verified ``tree`` (None: a plain step), its accepted ``path`` (node indices, root
-        first; ignored for a plain step) and the step's wall seconds (drafting included)."""
+        first; ignored for a plain step), the step's wall seconds (drafting included), and the verification's
+        own ``verify_s`` with the ``rows`` of other requests in its forward (they update :attr:`scale`)."""
         w = 0.8
+        if verify_s is not None:
+            ratio = verify_s / max(float(self.cost.verify(rows + (1 if tree is None else tree.size))), 1e-9)
+            self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio
+            self._scaled += 1
         if tree is None:
             self._plain_s = seconds if self._plain_s is None else w * self._plain_s + (1 - w) * seconds
             return

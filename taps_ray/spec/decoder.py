@@ -20,7 +20,7 @@ from taps_ray.config import SamplingConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
-from taps_ray.spec.cost import TreeBudget
+from taps_ray.spec.cost import BatchLoad, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
@@ -161,6 +161,7 @@ class _Request:
     on_logprobs: Callable[[TokenLogprobs], None] | None = None
     feature_sink: list[torch.Tensor] | None = None
     budget: TreeBudget | None = None
+    load: BatchLoad | None = None
     path: torch.Tensor | None = None
     prompt_len: int = 0
     length: int = 0
@@ -227,10 +228,12 @@ def generate(
     row i is the target's last hidden state at position i of prompt + committed tokens, for every
     position but the last (whose feature no forward pass has computed yet).
 
-    ``budget`` (None: every proposed tree is verified whole) picks each step's tree size from a measured
-    cost model (:class:`~taps_ray.spec.cost.TreeBudget`): the best-scored nodes that maximise expected
-    tokens per second, a plain step when none pays, and no drafting at all while drafting does not pay.
-    It changes what is verified, never what is accepted.
+    ``budget`` (None: the strategy's own ``tree_budget`` attribute, which :func:`~taps_ray.spec.compose.build_strategy`
+    sets when ``tree.adaptive``; neither: every proposed tree is verified whole) picks each step's tree
+    size from a measured cost model (:class:`~taps_ray.spec.cost.TreeBudget`): the best-scored nodes that
+    maximise expected tokens per second, a plain step when none pays, and no drafting at all while
+    drafting does not pay. On a target with a ``batch_load`` (:class:`~taps_ray.spec.batch.BatchingTarget`)
+    it counts the other requests of the batch. It changes what is verified, never what is accepted.
 
     The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
     :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
@@ -238,12 +241,19 @@ def generate(
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
     request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
-    request.budget = budget if not isinstance(request.strategy, VanillaStrategy) else None
+    budget = budget if budget is not None else getattr(request.strategy, "tree_budget", None)
+    if budget is not None and not isinstance(request.strategy, VanillaStrategy):
+        request.budget = budget.bind(target)
+        request.load = getattr(target, "batch_load", None)
     start = timer()
-    finish = _prefill(request, ids)
-    prefill_s = timer() - start
-    while finish is None:
-        finish = _step(request)
+    try:
+        finish = _prefill(request, ids)
+        prefill_s = timer() - start
+        while finish is None:
+            finish = _step(request)
+    finally:
+        if request.load is not None:
+            request.load.drop(id(request))
     total_s = timer() - start
     return _result(request, finish, prefill_s, total_s)
 
@@ -295,18 +305,22 @@ def _step(request: _Request) -> str | None:
         return "context"
     t0, wall = request.timer(), time.perf_counter()
     budget, tree = request.budget, None
+    others = request.load.others(id(request)) if request.load is not None else (0, 0)
     if budget is None or budget.should_draft():
         tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
                                                     len(request.steps)))
         if budget is not None and tree is not None:
-            tree = budget.choose(tree, time.perf_counter() - wall)
-    t1 = request.timer()
+            tree = budget.choose(tree, time.perf_counter() - wall, others)
+    t1, verify_wall = request.timer(), time.perf_counter()
     if tree is None:
         new, features, rows, record = _plain_step(request, r)
     else:
         new, features, rows, record = _tree_step(request, tree, r)
     if budget is not None:
-        budget.observe(tree, request.path, time.perf_counter() - wall)
+        done = time.perf_counter()
+        budget.observe(tree, request.path, done - wall, done - verify_wall, others[0])
+        if request.load is not None:
+            request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()))
     return _append(request, new, features, rows, record, t0, t1)
 
 

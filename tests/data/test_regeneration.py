@@ -70,3 +70,24 @@ def test_regenerate_reuses_stored_responses_without_decoding(tmp_path, monkeypat
                                     {"role": "assistant", "content": "answer b?"}]
     with pytest.raises(ImportError):
         features._regenerate(cfg, [[{"role": "user", "content": "new?"}]], _FakeTarget(), "math")
+
+
+@pytest.mark.slow
+def test_regeneration_decodes_a_batch_with_the_release_drafter_losslessly(embedded_target):
+    """The actor answers a batch together, drafted by release:math and sized by the cost model: each
+    answer is the target's own greedy answer decoded alone."""
+    from taps_ray.config import TargetConfig
+    from taps_ray.spec.decoder import generate
+
+    questions = ["What is 12 times 7?", "Name a primary colour.", "If I have 3 apples and eat one, how many are left?"]
+    batch = {"row_id": [5, 6, 7], "messages": [json.dumps([{"role": "user", "content": q}]) for q in questions]}
+    actor = features.RegenerateActor(TargetConfig(dtype="float32").model_dump(),
+                                     RegenerationConfig(max_new_tokens=24).model_dump())
+    assert actor.drafter is not None and actor.drafter.metadata.get("name")
+    out = actor(batch)
+    alone = [generate(embedded_target, [{"role": "user", "content": q}], max_new_tokens=24).text for q in questions]
+    assert list(out["response"]) == alone and list(out["row_id"]) == [5, 6, 7]
+    assert actor.budget.cost is not None and actor.budget.chosen
+    plain = features.RegenerateActor(TargetConfig(dtype="float32").model_dump(),
+                                     RegenerationConfig(max_new_tokens=24, drafter=None).model_dump())
+    assert plain.drafter is None and list(plain(batch)["response"]) == alone

@@ -37,6 +37,10 @@ def by_key(records: list[dict]) -> dict:
 
 
 def outcome(record: dict) -> tuple:
+    """What a rerun reproduces: a paper record's output and steps; a production record's greedy output (its
+    trees follow measured timings; at T > 0 another tree draws another sample of the same law)."""
+    if record["method"] == "production":
+        return record["output_crc"] if record["temperature"] == 0 else None
     return record["output_crc"], record["accepted"], record["steps"]
 
 
@@ -67,8 +71,12 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
     out, records = full_run
     strategies = ["vanilla", "single:math", "single:chat", "averaged:0.5", "routed:confidence:step",
                   "routed:entropy:request", "merged:union", "merged:budget"]
-    assert len(records) == len(by_key(records)) == 3 * 2 * len(strategies)
-    assert {r["strategy"] for r in records} == set(strategies)
+    paper = [r for r in records if r["method"] == "paper"]
+    production = [r for r in records if r["method"] == "production"]
+    assert len(records) == len(by_key(records)) == 3 * 2 * (2 * len(strategies) - 1)
+    assert {r["strategy"] for r in paper} == set(strategies) == {r["strategy"] for r in production} | {"vanilla"}
+    assert all(s <= 8 for r in paper if r["strategy"] != "merged:union" for s in r["tree_size"])
+    assert not any(r["strategy"] == "merged:budget" and set(r["tree_size"]) != {8} for r in paper)
     run = json.loads((out / RUN_FILE).read_text())
     assert run["identity"]["drafters"] == {"math": {"random_seed": 0}, "chat": {"random_seed": 1}}
     for r in records:
@@ -82,20 +90,25 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
             assert len(r["draft_entropy"]) == len(r["rejected_draft_entropy"]) == n
             assert all(len(e) == a for e, a in zip(r["draft_entropy"], r["accepted"]))
         if r["strategy"].startswith("routed:"):
-            assert len(r["routes"]) == len(r["signals"]) == n and set(r["routes"]) <= {"math", "chat"}
+            plain = {None} if r["method"] == "production" else set()
+            assert len(r["routes"]) == len(r["signals"]) == n and set(r["routes"]) <= {"math", "chat", *plain}
             assert len(r["decisions"]) == r["turns"]
         if r["strategy"].startswith("merged:"):
             assert len(r["union_size"]) == n
             assert all(s <= 1 + 2 * 7 for s in r["union_size"])
-        if r["strategy"] == "merged:budget":
-            assert set(r["tree_size"]) == {8}
     greedy = [r for r in records if r["temperature"] == 0]
     vanilla = {(r["benchmark"], r["question_id"]): r["output_crc"] for r in greedy if r["strategy"] == "vanilla"}
     assert all(r["output_crc"] == vanilla[(r["benchmark"], r["question_id"])] for r in greedy)
     exactness = json.loads((out / "exactness.json").read_text())
     turns = sum(len(r["output_ids"]) for r in greedy if r["strategy"] == "vanilla")
     assert exactness["dtype"] == "float32" and exactness["prompts"] == turns and exactness["divergences"] == []
-    assert exactness["identical"] == {s: turns for s in strategies if s != "vanilla"}
+    assert exactness["identical"] == {name: turns for s in strategies if s != "vanilla"
+                                      for name in (s, f"{s} (production)")}
+    plan = make_plan(config())
+    assert plan.tree["adaptive"] is False and plan.tree["lookup_tokens"] == 0 and plan.production_tree["adaptive"]
+    assert make_plan(config("eval.method=paper")).production_tree is None
+    only = make_plan(config("eval.method=production"))
+    assert only.method == "production" and only.production_tree is None and only.tree["adaptive"]
 
 
 def test_second_turn_is_asked_after_the_first_answer():
@@ -148,26 +161,26 @@ def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
     partial_records = read_records(out)
-    assert len(partial_records) == 2 * 8
+    assert len(partial_records) == 2 * 15
     with open(out / RECORDS, "a") as handle:
         handle.write(json.dumps(partial_records[0])[:57])
 
     def counting(self, unit):
-        calls["resumed"] += len(unit.strategies)
+        calls["resumed"] += len(unit.strategies) + len(unit.production)
         return original(self, unit)
 
     monkeypatch.setattr(EvalWorker, "run", counting)
     run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
-    assert calls["resumed"] == 6 * 8 - 2 * 8
+    assert calls["resumed"] == 6 * 15 - 2 * 15
     lines = (out / RECORDS).read_text().splitlines()
     keys = [record_key(json.loads(line)) for line in lines]
-    assert len(keys) == len(set(keys)) == 6 * 8
+    assert len(keys) == len(set(keys)) == 6 * 15
     expected = by_key(full_run[1])
     assert {k: outcome(r) for k, r in by_key(read_records(out)).items()} == {k: outcome(r) for k, r in expected.items()}
 
     calls.clear()
     run_eval(config(), out, questions=QUESTIONS, target_factory=FACTORY, report=False)
-    assert calls["resumed"] == 0 and len((out / RECORDS).read_text().splitlines()) == 6 * 8
+    assert calls["resumed"] == 0 and len((out / RECORDS).read_text().splitlines()) == 6 * 15
 
 
 def test_folder_of_another_configuration_is_refused(full_run, tmp_path):
@@ -194,7 +207,7 @@ def test_ray_actors_shard_the_units_and_match_in_process(full_run, tmp_path, ray
     run_eval(config("eval.num_actors=2", "eval.temperatures=[0]"), out, questions=QUESTIONS, target_factory=FACTORY,
              report=False)
     records = read_records(out)
-    assert len(records) == 3 * 8 and len({r["worker"] for r in records}) == 2
+    assert len(records) == 3 * 15 and len({r["worker"] for r in records}) == 2
     expected = by_key(full_run[1])
     assert all(outcome(r) == outcome(expected[record_key(r)]) for r in records)
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import ray.serve
 
-from taps_ray.config import ServeConfig
+from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving import access, ingress, protocol
 from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.verifier import Verifier
@@ -335,6 +335,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_prefill(monkeypatch)
     monkeypatch.setattr(session_module, "generate", lambda *a, **k: pytest.fail("prefill ran"))
     verifier = object.__new__(Verifier)
     verifier.target, verifier.clients, verifier.cfg = target, {}, ServeConfig(drafters={"a": None})
+    verifier.tree = TreeConfig(adaptive=False)
     verifier._init_counts()
     events = []
     n = target.max_context + 3

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 APP = "taps-test"
 MODEL = "smollm2-135m"
 NEW = 16
-TREE = {"depth": 2, "top_k": 4, "total_tokens": 10}
+TREE = {"depth": 2, "top_k": 4, "total_tokens": 10, "adaptive": False}
 PROMPTS = [
     "What is 7 times 8?",
     "Name three colours of the rainbow.",

@@ -32,7 +32,7 @@ from taps_ray.train.variant import FEATURE_COLUMNS
 from tests.serving.helpers import LocalClient
 from tests.spec.spec_helpers import bigram_target, oracle_drafter
 
-TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0, adaptive=False)
 NEW = 20
 
 

@@ -100,3 +100,15 @@ def test_drafter_versions_count_replicas_per_version_and_a_version_no_replica_se
     assert versions() == {("math", "0"): 1, ("math", "3"): 1, ("chat", "0"): 1}
     metrics.serving_versions({"math": {3: 2}, "chat": {}})  # chat's replicas did not answer
     assert versions() == {("math", "0"): 0, ("math", "3"): 2, ("chat", "0"): 0}
+
+
+def test_the_verifiers_cost_model_is_a_gauge_per_node_count():
+    metrics = ServingMetrics("m")
+    cost = {"plain_step_ms": 40.0, "relative": {1: 1.0, 16: 1.7, 64: 4.2}, "hardware": "cpu", "dtype": "float32",
+            "threads": 2, "engine": "static-packed"}
+    metrics.finished("stop", USAGE, {**_taps([1]), "cost_model": cost}, latency_s=1.0, ttft_s=0.5)
+    values = {(s.name, s.labels.get("nodes")): s.value
+              for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert values[("taps_plain_step_seconds", None)] == pytest.approx(0.04)
+    assert values[("taps_verify_cost_relative", "16")] == pytest.approx(1.7)
+    assert values[("taps_verify_cost_relative", "64")] == pytest.approx(4.2) and metrics.cost_model == cost

@@ -25,7 +25,7 @@ from taps_ray.spec.tree import DIRECT
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
-TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0, adaptive=False)
 NEW = 40
 
 
@@ -221,7 +221,7 @@ def test_served_release_drafters_equal_the_in_process_strategy(embedded_target, 
 
     drafters = {n: load_drafter(embedded_target, f"release:{n}", 0) for n in ("math", "chat")}
     assert not torch.equal(drafters["math"].draft_to_target.sort().values, drafters["chat"].draft_to_target.sort().values)
-    tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0)
+    tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0, adaptive=False)
     messages = [{"role": "user", "content": "What is 7 times 8?"}]
     expected = generate(embedded_target, messages, build_strategy(name, drafters, tree), max_new_tokens=16)
     clients = {n: LocalClient([DraftSessions(embedded_target, d, tree)]) for n, d in drafters.items()}
@@ -233,6 +233,40 @@ def test_served_release_drafters_equal_the_in_process_strategy(embedded_target, 
     assert result.token_ids == expected.token_ids and result.accept_lengths == expected.accept_lengths
     assert [s.meta.get("route") for s in result.steps] == [s.meta.get("route") for s in expected.steps]
     assert not strategy.skips
+
+
+def test_an_adaptive_verifier_sizes_trees_by_its_cost_model_and_stays_greedy(bigram, thirds, monkeypatch):
+    """With ``tree.adaptive`` the verifier measures its cost model once, sizes each step of a plan by that
+    plan's one budget (shared across its requests, counting the batch) and reports the model in the
+    ``taps`` block and ``info``; the output is vanilla's, and the summary's step counts are the loop's."""
+    from taps_ray.serving.plan import DecodeRequest
+    from taps_ray.spec.cost import TreeBudget
+
+    monkeypatch.setattr(bigram, "tokenizer",
+                        SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids))))
+    tree = TREE.model_copy(update={"adaptive": True})
+    verifier = object.__new__(Verifier)
+    verifier.target, verifier.tree = bigram, tree
+    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, draft_deadline_s=10.0)
+    verifier.clients = {name: LocalClient([DraftSessions(bigram, d, tree)]) for name, d in thirds.items()}
+    verifier.pool = ThreadPoolExecutor(1)
+    verifier._init_counts()
+    assert verifier.info()["cost_model"]["relative"][1] == 1.0
+    for seed in (1, 2):
+        prompt = random_prompt(bigram, 6, seed)
+        plan = resolve_plan("merged:budget", ["zero", "one"], verifier.cfg)
+        events = []
+        verifier.decode(DecodeRequest(rid=f"r{seed}", prompt=prompt.tolist(), plan=plan, max_tokens=NEW, raw=True,
+                                      prompt_param="prompt"), events.append)
+        done = events[-1]
+        assert done["type"] == "done", done
+        assert done["text"] == " ".join(map(str, generate(bigram, prompt, max_new_tokens=NEW).token_ids))
+        taps = done["taps"]
+        assert taps["cost_model"] == verifier.cost_info() and taps["steps"] == len(taps["accept_lengths"])
+        assert taps["drafted_steps"] + taps["plain_steps"] == taps["steps"]
+    [budget] = verifier.budgets.values()
+    assert isinstance(budget, TreeBudget) and budget.cost is verifier.cost and len(budget.chosen) > 0
+    verifier.pool.shutdown()
 
 
 class MuteClient(LocalClient):

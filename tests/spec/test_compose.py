@@ -18,6 +18,7 @@ from taps_ray.spec.compose import (
     compose_trees,
     tree_signal,
 )
+from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.strategy import STRATEGY_NAMES, parse_strategy
@@ -25,7 +26,7 @@ from taps_ray.spec.tree import DrafterState, draft_tree
 from tests.conftest import make_tiny_target
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
-TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0)
+TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0, adaptive=False)
 ALL = ["single", "averaged", "routed:confidence", "routed:confidence:request", "routed:entropy",
        "routed:entropy:step", "merged:union", "merged:budget"]
 
@@ -150,6 +151,21 @@ def test_greedy_output_equals_vanilla(bigram, specialists, name, k):
     assert spec.strategy == parse_strategy(name).name
     assert sum(s.appended for s in spec.steps) + 1 == len(spec.token_ids)
     assert max(spec.accept_lengths) >= 1
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_adaptive_trees_keep_greedy_output_equal_to_vanilla(bigram, specialists, name):
+    """Every strategy carries a cost-model budget by default; sizing trees per step never changes the output."""
+    prompt = random_prompt(bigram, 6, 3)
+    vanilla = generate(bigram, prompt, max_new_tokens=48)
+    pool = specialists if name != "averaged" else {"oracle": oracle_drafter(bigram), "n1": sharp_drafter(bigram, 1)}
+    strategy = build_strategy(name, pool, TREE.model_copy(update={"adaptive": True}), probe_steps=1)
+    assert isinstance(strategy.tree_budget, TreeBudget) and strategy.tree_budget.cost is None
+    spec = generate(bigram, prompt, strategy, max_new_tokens=48)
+    assert spec.token_ids == vanilla.token_ids
+    assert strategy.tree_budget.cost is not None and strategy.tree_budget.chosen
+    assert all(s.tree_size <= len(pool) * TREE.total_tokens for s in spec.steps)
+    assert build_strategy(name, pool, TREE).__dict__.get("tree_budget") is None
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -318,7 +334,7 @@ def test_tree_scores_and_entropies_are_over_the_support(peaky_target, support):
     tokens, features = prompt[1:], peaky_target.hidden_states(prompt[None])[0, :-1]
     state = DrafterState(drafter)
     state.add(tokens, features)
-    cfg = TreeConfig(depth=2, top_k=3, total_tokens=10, lookup_tokens=0)
+    cfg = TreeConfig(depth=2, top_k=3, total_tokens=10, lookup_tokens=0, adaptive=False)
     tree = draft_tree(drafter, peaky_target, state, cfg, None if support == "own" else over)
     plain = DrafterState(drafter)
     plain.add(tokens, features)
