@@ -164,7 +164,7 @@ class RegenerateActor(_TargetActor):
             samplings = [SamplingConfig(temperature=self.regen.temperature, seed=self.regen.seed + int(i))
                          for i in batch["row_id"]]
         results, _ = generate_together(self.target, prompts, [self._strategy() for _ in prompts], samplings,
-                                       max_batch=len(prompts), max_new_tokens=self.regen.max_new_tokens,
+                                       max_batch=len(prompts), wait_s=0.05, max_new_tokens=self.regen.max_new_tokens,
                                        collect_entropy=False)
         texts = [r.text for r in results]
         self._progress(len(texts), sum(len(r.token_ids) for r in results))

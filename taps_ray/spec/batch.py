@@ -13,7 +13,8 @@ own n new entries, and its output is its rows of the batch. One call is exactly
 ``wait_s`` until ``expected()`` calls (at most ``max_batch``) are pending, runs them as one batch and
 hands each thread its output. :class:`ForwardBatcher` batches target forwards (:func:`forward_batch`);
 :class:`BatchingTarget` is a target whose ``forward`` goes through one, so
-:func:`~taps_ray.spec.decoder.generate` runs unchanged on it (prefill stays one request per forward:
+:func:`~taps_ray.spec.decoder.generate` runs unchanged on it (prefills join the batch on the static
+engine, whose packed forward needs no padding; on transformers' forward each prompt prefills alone:
 prompts differ too much in length to pad). :class:`DraftBatcher` does the same for drafting: the
 drafter forwards (:func:`draft_forward_batch`, same padding over the drafter's cache) and LM-head
 products (:func:`head_batch`) of sessions drafting at once.
@@ -118,10 +119,11 @@ def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetO
         return [target.forward(call.tokens[None], call.positions[None], call.cache, mask)]
     lengths = [call.cache.get_seq_length() for call in calls]
     sizes = [call.tokens.numel() for call in calls]
-    if min(lengths) == 0:
-        raise ValueError("forward_batch extends prefilled caches; a call has an empty cache (prefill it alone)")
     if all(isinstance(call.cache, KVCache) for call in calls):
         return _forward_packed(target, calls, sizes)
+    if min(lengths) == 0:
+        raise ValueError("forward_batch pads prefilled caches; a call has an empty cache (prefill it alone, or "
+                         "run the static engine, whose packed forward prefills in the batch too)")
     caches = [call.cache for call in calls]
     mask = _batch_mask([call.mask for call in calls], lengths, sizes, target.dtype, target.device)
     cache = _padded_cache(caches, lengths)
@@ -270,12 +272,20 @@ class Batcher:
 
 
 class ForwardBatcher(Batcher):
-    """A :class:`Batcher` of target forwards (:func:`forward_batch`)."""
+    """A :class:`Batcher` of target forwards (:func:`forward_batch`); ``load``: the
+    :class:`~taps_ray.spec.cost.BatchLoad` of its requests, which holds each forward's rows and seconds."""
 
     def __init__(self, target: TargetModel, max_batch: int = 8, wait_s: float = 0.002,
                  expected: Callable[[], int] | None = None):
-        super().__init__(lambda calls: forward_batch(target, calls), max_batch, wait_s, expected)
+        super().__init__(self._forward, max_batch, wait_s, expected)
         self.target = target
+        self.load = BatchLoad()
+
+    def _forward(self, calls: list[ForwardCall]) -> list[TargetOutput]:
+        start = time.perf_counter()
+        out = forward_batch(self.target, calls)
+        self.load.forward(sum(call.tokens.numel() for call in calls), time.perf_counter() - start)
+        return out
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                 attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
@@ -324,11 +334,19 @@ class BatchingTarget:
 
     def __init__(self, target: TargetModel, batcher: ForwardBatcher):
         self._target, self._batcher = target, batcher
-        self.batch_load = BatchLoad()
+        self.batch_load = batcher.load
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                 attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
         return self._batcher.forward(tokens, positions, cache, attention_mask_4d)
+
+    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> TargetOutput:
+        """``TargetModel.prefill``, in the batch when the static engine packs it (one request, ``[1, T]``)."""
+        if not isinstance(cache, KVCache):
+            return self._target.prefill(input_ids, cache)
+        past = cache.get_seq_length()
+        positions = torch.arange(past, past + input_ids.shape[1], device=self._target.device)[None]
+        return self.forward(input_ids.to(self._target.device), positions, cache)
 
     def __getattr__(self, name: str):
         return getattr(self._target, name)

@@ -181,11 +181,17 @@ def cost_model(target, refresh: bool = False) -> CostModel:
 
 class BatchLoad:
     """The rows and appended tokens of each request's last step in one shared verifier (thread-safe):
-    what the other requests of a batch add to a forward (see the module docstring)."""
+    what the other requests of a batch add to a forward (see the module docstring); and the rows and
+    seconds of the verifier's last forward itself (``last_forward``: what a request waiting in the batch
+    for the others' drafting would not tell)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._last: dict[int, tuple[int, int]] = {}
+        self.last_forward: tuple[int, float] | None = None
+
+    def forward(self, rows: int, seconds: float) -> None:
+        self.last_forward = (rows, seconds)
 
     def note(self, key: int, rows: int, tokens: int) -> None:
         with self._lock:
@@ -232,8 +238,8 @@ class TreeBudget:
         bins = len(SCORE_EDGES) + 1
         self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
-        self._spec_rate: float | None = None
-        self._plain_s: float | None = None
+        self._drafted_steps = 0
+        self._gain = self._draft_s = self._nodes = 0.0
         self._skipped = 0
         self._drafted = 0
         self._scaled = 0
@@ -253,18 +259,27 @@ class TreeBudget:
     def _bin(self, score: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(-score.double().cpu(), -self._edges, right=False)
 
-    def should_draft(self) -> bool:
-        """Whether this step drafts: yes unless drafting's recent tokens per second fell below a plain
-        step's (as observed in this run when plain steps were seen, else the cost model's), and then once
-        every ``probe_every`` steps."""
-        plain_s = self._plain_s if self._plain_s is not None else self.cost.plain_s * self.scale
-        if self._spec_rate is None or self._spec_rate >= 1.0 / plain_s:
+    def should_draft(self, others: tuple[int, int] = (0, 0)) -> bool:
+        """Whether this step drafts: yes unless, at the recent drafted steps' tokens, drafting seconds and
+        verified nodes, a drafted step would append fewer tokens per second than a plain one, counting the
+        ``others`` (rows, tokens) of the batch (``(g + S) / (d + verify(R + n))`` against
+        ``(1 + S) / verify(R + 1)``); then once every ``probe_every`` steps (of the batch: every
+        ``probe_every * (1 + R)`` calls of a budget its requests share), to see again."""
+        if not self._drafted_steps or self.pays(others):
             return True
         self._skipped += 1
-        if self._skipped >= self.probe_every:
+        if self._skipped >= self.probe_every * (1 + others[0]):
             self._skipped = 0
             return True
         return False
+
+    def pays(self, others: tuple[int, int] = (0, 0)) -> bool:
+        """Whether drafting, as recently observed, beats a plain step beside ``others`` (see
+        :meth:`should_draft`)."""
+        rows, tokens = others
+        drafted = (self._gain + tokens) / (self._draft_s + self.scale * float(self.cost.verify(rows + self._nodes)))
+        plain = (1 + tokens) / (self.scale * float(self.cost.verify(rows + 1)))
+        return drafted >= plain
 
     @staticmethod
     def _is_lookup(tree: DraftTree) -> torch.Tensor:
@@ -311,20 +326,17 @@ class TreeBudget:
             kept.meta["lookup_nodes"] = int(self._is_lookup(tree)[keep].sum())
         return kept
 
-    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, seconds: float,
+    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, draft_s: float,
                 verify_s: float | None = None, rows: int = 0) -> None:
         """After a step: the verified ``tree`` (None: a plain step), its accepted ``path`` (node indices, root
-        first; ignored for a plain step), the step's wall seconds (drafting included), and the verification's
-        own ``verify_s`` with the ``rows`` of other requests in its forward (they update :attr:`scale`)."""
+        first; ignored for a plain step), the seconds spent drafting it, and the verification forward's own
+        ``verify_s`` with the ``rows`` of other requests in it (they update :attr:`scale`)."""
         w = 0.8
         if verify_s is not None:
             ratio = verify_s / max(float(self.cost.verify(rows + (1 if tree is None else tree.size))), 1e-9)
             self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio
             self._scaled += 1
-        if tree is None:
-            self._plain_s = seconds if self._plain_s is None else w * self._plain_s + (1 - w) * seconds
-            return
-        if path is None:
+        if tree is None or path is None:
             return
         lookup = self._is_lookup(tree)[1:]
         bins = self._bin(tree.score[1:])
@@ -335,6 +347,7 @@ class TreeBudget:
             self._seen[kind] = self.decay * self._seen[kind] + torch.bincount(bins[mask], minlength=size).double()
             self._hits[kind] = self.decay * self._hits[kind] + torch.bincount(
                 bins[mask], weights=accepted[1:][mask], minlength=size)
-        w = 0.8
-        rate = path.numel() / max(seconds, 1e-9)
-        self._spec_rate = rate if self._spec_rate is None else w * self._spec_rate + (1 - w) * rate
+        first = self._drafted_steps == 0
+        self._drafted_steps += 1
+        for name, value in (("_gain", float(path.numel())), ("_draft_s", draft_s), ("_nodes", float(tree.size))):
+            setattr(self, name, value if first else w * getattr(self, name) + (1 - w) * value)

@@ -306,19 +306,24 @@ def _step(request: _Request) -> str | None:
     t0, wall = request.timer(), time.perf_counter()
     budget, tree = request.budget, None
     others = request.load.others(id(request)) if request.load is not None else (0, 0)
-    if budget is None or budget.should_draft():
+    if budget is None or budget.should_draft(others):
         tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
                                                     len(request.steps)))
         if budget is not None and tree is not None:
             tree = budget.choose(tree, time.perf_counter() - wall, others)
     t1, verify_wall = request.timer(), time.perf_counter()
+    draft_s = verify_wall - wall
     if tree is None:
         new, features, rows, record = _plain_step(request, r)
     else:
         new, features, rows, record = _tree_step(request, tree, r)
     if budget is not None:
         done = time.perf_counter()
-        budget.observe(tree, request.path, done - wall, done - verify_wall, others[0])
+        verify_s, other_rows = done - verify_wall, others[0]
+        if request.load is not None and request.load.last_forward is not None:
+            total, verify_s = request.load.last_forward
+            other_rows = total - (1 if tree is None else tree.size)
+        budget.observe(tree, request.path, draft_s, verify_s, max(other_rows, 0))
         if request.load is not None:
             request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()))
     return _append(request, new, features, rows, record, t0, t1)

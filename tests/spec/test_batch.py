@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
@@ -107,9 +108,15 @@ def test_forward_batch_of_one_is_the_target_forward(peaky_target):
     assert torch.equal(out.logits, _solo(peaky_target, solo).logits)
 
 
-def test_forward_batch_refuses_an_empty_cache(peaky_target):
+def test_the_packed_forward_prefills_in_the_batch_and_the_padded_one_refuses_to(peaky_target):
     calls = _calls(peaky_target)
-    calls[1] = ForwardCall(torch.tensor([1, 2]), torch.tensor([0, 1]), peaky_target.new_cache())
+    prompt = torch.tensor([1, 2, 3])
+    calls[1] = ForwardCall(prompt, torch.arange(3), peaky_target.new_cache(8))
+    out = forward_batch(peaky_target, calls)[1]
+    alone = peaky_target.prefill(prompt[None], peaky_target.new_cache(8))
+    torch.testing.assert_close(out.logits, alone.logits, rtol=0, atol=1e-5)
+    assert calls[1].cache.get_seq_length() == 3
+    calls[1] = ForwardCall(prompt, torch.arange(3), DynamicCache())
     with pytest.raises(ValueError, match="empty cache"):
         forward_batch(peaky_target, calls)
 
@@ -128,7 +135,8 @@ def test_greedy_requests_decoded_together_equal_each_decoded_alone(peaky_target)
         assert mine.accept_lengths == theirs.accept_lengths
     assert max(batcher.sizes) > 1, f"no batch formed: {dict(batcher.sizes)}"
     assert max(batcher.sizes) <= 4
-    assert sum(size * count for size, count in batcher.sizes.items()) == sum(len(r.steps) for r in together)
+    prefills = len(prompts)
+    assert sum(size * count for size, count in batcher.sizes.items()) == sum(len(r.steps) for r in together) + prefills
 
 
 def test_a_failing_batch_fails_every_request_in_it(peaky_target):

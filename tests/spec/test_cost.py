@@ -52,7 +52,7 @@ def test_rates_follow_observed_acceptance_per_score_bin():
     assert bool((prior[1:] < prior[:-1]).all()), "before any observation a bin's rate is exp(its score)"
     tree = _tree([-0.1, -0.1, -5.0])
     for _ in range(30):
-        budget.observe(tree, torch.tensor([0, 3]), seconds=1.0)
+        budget.observe(tree, torch.tensor([0, 3]), draft_s=1.0)
     rates = budget.rates()
     assert rates[0] < 0.15 and rates[-2] > 0.9, "bin (-0.25, 0] never accepted, bin (-6, -4] always"
     assert torch.equal(budget.rates("lookup"), prior)
@@ -68,7 +68,7 @@ def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
     assert budget.choose(tree, draft_s=0.0) is None, "uncalibrated, a copied chain looks unlikely"
     lookup_path = torch.tensor([0, tree.size - 3, tree.size - 2, tree.size - 1])
     for _ in range(20):
-        budget.observe(tree, lookup_path, seconds=1.0)
+        budget.observe(tree, lookup_path, draft_s=1.0)
     assert bool((budget.rates("lookup")[[2, 3, 5]] > 0.8).all()) and bool((budget.rates()[5:7] < 0.05).all())
     kept = budget.choose(tree, draft_s=0.0)
     assert kept is not None and kept.tokens[1:].tolist() == [7, 8, 9] and kept.meta["lookup_nodes"] == 3
@@ -80,23 +80,33 @@ def test_every_few_drafted_steps_verify_the_whole_tree():
     assert [budget.choose(tree, 0.0) is tree for _ in range(6)] == [False, False, True, False, False, True]
 
 
-def test_the_pause_compares_with_plain_steps_as_observed_here():
+def test_the_pause_compares_drafted_steps_with_plain_ones_at_the_runs_own_level():
     budget = TreeBudget(_model([0.01, 0.01, 0.01, 0.01, 0.01]), probe_every=100)
-    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=1.0)
-    assert not budget.should_draft(), "2 tokens/s against the model's 100 for a plain step"
-    for _ in range(20):
-        budget.observe(None, None, seconds=2.0)
-    assert budget.should_draft(), "but plain steps take 2 s on this machine now"
+    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), draft_s=1.0, verify_s=0.01)
+    assert not budget.should_draft(), "2 tokens in 1.01 s against a plain step's 1 in 0.01 s"
+    for _ in range(30):
+        budget.observe(None, None, draft_s=0.0, verify_s=2.0)
+    assert budget.scale > 100 and budget.should_draft(), "but verification takes 2 s on this machine now"
+
+
+def test_in_a_batch_drafting_pays_only_against_the_batchs_plain_rate():
+    """Alone, 3 tokens for 8 nodes and 10 ms of drafting beat a 40 ms plain step; beside 15 plain requests the
+    same draft costs all 16 its drafting and extra rows, and a plain batch step is worth 16 tokens."""
+    model = CostModel([1, 2, 4, 8, 16, 32], [0.040, 0.041, 0.043, 0.05, 0.07, 0.12], prefix=64)
+    budget = TreeBudget(model, probe_every=100)
+    budget.observe(_tree([-0.1] * 7), torch.tensor([0, 1, 2]), draft_s=0.010, verify_s=0.05)
+    assert budget.pays() and budget.should_draft()
+    assert not budget.pays((15, 15)) and not budget.should_draft((15, 15))
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
     assert budget.should_draft()
-    budget.observe(_tree([-0.1]), torch.tensor([0]), seconds=10.0)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
     assert [budget.should_draft() for _ in range(6)] == [False, False, True, False, False, True]
-    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=0.1)
-    budget.observe(_tree([-0.1]), torch.tensor([0, 1]), seconds=0.1)
-    assert budget.should_draft()
+    for _ in range(15):
+        budget.observe(_tree([-0.1]), torch.tensor([0, 1]), draft_s=0.01)
+    assert budget.should_draft(), "the probes saw drafting pay again"
 
 
 def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, monkeypatch, peaky_target):
