@@ -9,11 +9,12 @@ torch version, engine, the target's sizes), so a change of any of them measures 
 acceptance rate observed for nodes of its kind and score bin, ``score`` being the path's cumulative draft
 log-prob, which EAGLE-2 ranks by; ``exp(score)`` before anything is observed), the best n nodes are expected to append
 ``E(n) = 1 + sum_{i < n} p_i`` tokens for ``draft_s + verify(n)`` seconds, and the budget keeps the n
-that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting has not
-paid for a while (its realised tokens per second below a plain step's) it skips drafting, probing again
-every ``probe_every`` steps. The cached model gives the shape of the cost curve; its level follows the
-run (:attr:`TreeBudget.scale`: observed verification seconds over the model's), so a host busier or
-idler than when it was measured does not misjudge drafting's own seconds against it. The choice changes which tokens are proposed, never which are accepted.
+that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting at its
+recent gain, seconds and size would not beat a plain step it skips drafting, probing again every
+``probe_every`` steps. The cached model gives the shape of the cost curve; its level follows the run
+(:attr:`TreeBudget.scale`: observed verification seconds over the model's), so a host busier or idler
+than when it was measured does not misjudge drafting's own seconds against it. The choice changes which
+tokens are proposed, never which are accepted.
 
 In a batch (several requests verified by one forward, :mod:`taps_ray.spec.batch`) the forward's time is
 shared: :class:`BatchLoad` holds each request's last rows and appended tokens, and a request with ``R``
@@ -30,6 +31,7 @@ import os
 import platform
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -218,7 +220,8 @@ class TreeBudget:
     strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
     :func:`cost_model`, taken by :meth:`bind` when a decode starts); ``decay``: weight of the past per observed
     step; ``probe_every``: how often a step drafts while drafting does not pay; ``explore_every``: how often
-    a drafted step verifies its whole tree, so that every score bin keeps being observed.
+    a drafted step verifies its whole tree, so that every score bin keeps being observed; ``chosen``: the node
+    counts of the last 4096 decisions.
 
     A node's chance of acceptance is the acceptance rate observed for nodes of its kind (drafted, or
     prompt-lookup: the last ``tree.meta["lookup_nodes"]`` of a tree) in its score bin
@@ -228,8 +231,8 @@ class TreeBudget:
 
     KINDS = ("draft", "lookup")
 
-    def __init__(self, cost: CostModel | None = None, decay: float = 0.98, probe_every: int = 8, explore_every: int = 4,
-                 prior: float = 2.0):
+    def __init__(self, cost: CostModel | None = None, decay: float = 0.98, probe_every: int = 8,
+                 explore_every: int = 4, prior: float = 2.0):
         self.cost, self.decay, self.probe_every, self.explore_every = cost, decay, probe_every, explore_every
         self._edges = torch.tensor(SCORE_EDGES, dtype=torch.float64)
         mids = torch.tensor([0.0, *SCORE_EDGES], dtype=torch.float64)
@@ -244,7 +247,7 @@ class TreeBudget:
         self._drafted = 0
         self._scaled = 0
         self.scale = 1.0
-        self.chosen: list[int] = []
+        self.chosen: deque[int] = deque(maxlen=4096)
 
     def bind(self, target) -> TreeBudget:
         """Take ``target``'s cost model on this machine when none was given (measured at first use)."""

@@ -43,7 +43,7 @@ def test_choose_keeps_nodes_that_pay_and_drops_those_that_do_not():
     steep = TreeBudget(_model([1.0, 1.3, 2.0, 4.0, 8.0]))
     assert steep.choose(_tree([-5.0, -6.0, -7.0]), draft_s=0.0) is None
     assert steep.choose(_tree([-0.01, -5.0, -6.0]), draft_s=0.0).size == 2
-    assert steep.chosen == [1, 2]
+    assert list(steep.chosen) == [1, 2]
 
 
 def test_rates_follow_observed_acceptance_per_score_bin():
