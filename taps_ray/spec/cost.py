@@ -155,9 +155,18 @@ def cost_path(key: dict) -> Path:
     return cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
+_MEASURING = threading.Lock()
+
+
 def cost_model(target, refresh: bool = False) -> CostModel:
     """The cached :class:`CostModel` of ``target`` on this machine (measured and stored when missing, stale
-    or ``refresh``); kept on the target object for the process."""
+    or ``refresh``); kept on the target object for the process. Thread-safe: requests starting together
+    wait for one measurement."""
+    with _MEASURING:
+        return _cost_model(target, refresh)
+
+
+def _cost_model(target, refresh: bool) -> CostModel:
     key = fingerprint(target)
     held = getattr(target, "_cost_model", None)
     if held is not None and held.key == key and not refresh:
@@ -174,7 +183,7 @@ def cost_model(target, refresh: bool = False) -> CostModel:
     if model is None:
         model = measure(target)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
         partial.write_text(json.dumps(model.to_dict(), indent=1))
         os.replace(partial, path)
     target.__dict__["_cost_model"] = model

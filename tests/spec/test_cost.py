@@ -109,6 +109,22 @@ def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
     assert budget.should_draft(), "the probes saw drafting pay again"
 
 
+def test_requests_starting_together_wait_for_one_measurement(tmp_path, monkeypatch, peaky_target):
+    """A batch's requests bind their budgets at once on a machine without a cached model: one measures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(cost_module, "cache_dir", lambda: tmp_path)
+    peaky_target.__dict__.pop("_cost_model", None)
+    calls = []
+    real = cost_module.measure
+    monkeypatch.setattr(cost_module, "measure", lambda target: calls.append(1) or real(target, nodes=(1, 2)))
+    with ThreadPoolExecutor(8) as pool:
+        models = list(pool.map(lambda _: TreeBudget().bind(peaky_target).cost, range(8)))
+    assert len(calls) == 1 and all(m is models[0] for m in models)
+    assert [p.name for p in tmp_path.iterdir()] == [cost_module.cost_path(models[0].key).name]
+    peaky_target.__dict__.pop("_cost_model")
+
+
 def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, monkeypatch, peaky_target):
     monkeypatch.setattr(cost_module, "cache_dir", lambda: tmp_path)
     peaky_target.__dict__.pop("_cost_model", None)
