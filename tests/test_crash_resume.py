@@ -240,6 +240,10 @@ def eval_target():
 
 
 def _outcome(record: dict) -> tuple:
+    """What a resumed run reproduces (tests/eval/test_runner.py ``outcome``): a production record's steps
+    follow measured timings, so only its greedy output."""
+    if record.get("method") == "production":
+        return record["output_crc"] if record["temperature"] == 0 else None
     return record["output_crc"], record["output_ids"], record["accepted"], record["steps"]
 
 
