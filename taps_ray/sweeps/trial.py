@@ -73,8 +73,9 @@ def cached_target(target: dict) -> TargetModel:
 
 def domain_taus(target: TargetModel, drafter: DraftHead, prompts: dict[str, list[list[int]]], tree: TreeConfig,
                 max_new_tokens: int) -> dict[str, DomainTau]:
-    """Greedy speculative decoding of every prompt (token ids) with ``drafter``'s EAGLE-2 tree."""
-    strategy = build_strategy("single", [drafter], tree)
+    """Greedy speculative decoding of every prompt (token ids) with ``drafter``'s EAGLE-2 tree, fixed in size
+    (``tree.adaptive`` off: a trial's tau must not follow the machine's timings)."""
+    strategy = build_strategy("single", [drafter], tree.model_copy(update={"adaptive": False}))
     out = {}
     for domain, items in prompts.items():
         per_question = [generate(target, torch.tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
