@@ -571,9 +571,9 @@ def test_a_request_past_its_deadline_never_prefills(no_prefill):
 def test_an_internal_error_in_the_verifier_is_logged_not_sent(monkeypatch, caplog):
     caplog.set_level(logging.INFO)
     target = bigram_target(0)
-    monkeypatch.setattr(target, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(SECRET)))
     target.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     verifier, events = _verifier(target), []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(SECRET)))
     verifier.decode(_vanilla(), events.append)
     assert events[-1] == {"type": "error", "status": 500, "message": "internal error", "param": None, "code": None,
                           "error_type": "server_error"}
