@@ -59,7 +59,7 @@ def storage_check(tmp: str) -> dict:
 PROMPTS = ["What is 7 times 8?", "Name three colours of the rainbow.", "Count from one to five.",
            "What is the capital of France?"]
 NEW = 8
-TREE = {"depth": 2, "top_k": 2, "total_tokens": 5}
+TREE = {"depth": 2, "top_k": 2, "total_tokens": 5, "adaptive": False}  # a fixed tree: an untrained drafter still drafts
 
 
 def serving(tmp: str) -> dict:

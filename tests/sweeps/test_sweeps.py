@@ -89,7 +89,7 @@ def _tokens_per_step(target, cfg, drafter_dir: str) -> dict[str, float]:
     sets = load_feature_sets(cfg, target.fingerprint.to_dict(), {"math", "chat"})
     prompts = resolve_prompts(spec, cfg, target, sets, cfg.train.heldout_rows, cfg.train.heldout_seed)
     head = DraftHead.load(drafter_dir, target.config, target.fingerprint)
-    strategy = build_strategy("single", [head], TreeConfig(**EVAL["tree"]))
+    strategy = build_strategy("single", [head], TreeConfig(**{**EVAL["tree"], "adaptive": False}))  # as trials measure
     rates = {}
     for domain, items in prompts.items():
         outputs = [generate(target, torch.tensor(ids), strategy, None, EVAL["max_new_tokens"]) for ids in items]
