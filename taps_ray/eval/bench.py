@@ -32,7 +32,7 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
-from taps_ray.spec.cost import CostModel, TreeBudget, cost_model
+from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, engine_label
 from taps_ray.spec.decoder import generate, prompt_ids
 from taps_ray.spec.protocol import SingleStrategy
 
@@ -208,19 +208,33 @@ class BenchReport:
 
 def weight_read_floor(target: TargetModel, repeats: int = 10) -> dict:
     """The memory-bandwidth floor of a plain step: the fastest of ``repeats`` passes that read every weight of
-    the target once (a sum per tensor, tied tensors once): ``{"weight_mb", "read_ms", "gb_per_s"}``."""
-    params = list({id(p): p for p in target.model.parameters()}.values())
+    the target once in the format its forward reads (the static engine's int4 codes where it runs them; a sum
+    per tensor, tied tensors once): ``{"weight_mb", "read_ms", "gb_per_s"}``."""
+    tensors = target.engine.step_tensors(target.lm_head) if target.engine is not None else target.model.parameters()
+    params = list({id(p): p for p in tensors}.values())
     nbytes = sum(p.numel() * p.element_size() for p in params)
+    words = [_as_float32(p) for p in params]  # every format summed as float32 words: the read, not the arithmetic
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats + 2):
             start = time.perf_counter()
-            for p in params:
-                p.sum()
+            for w in words:
+                w.sum()
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             best = min(best, time.perf_counter() - start)
     return {"weight_mb": round(nbytes / 1e6, 1), "read_ms": round(1e3 * best, 2), "gb_per_s": round(nbytes / best / 1e9, 1)}
+
+
+def _as_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes read as float32 words where its layout allows (else the tensor itself)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_contiguous() and (flat.numel() * flat.element_size()) % 4 == 0:
+        try:
+            return flat.view(torch.uint8).view(torch.float32)
+        except RuntimeError:
+            return flat
+    return flat
 
 
 def tree_note(tree: TreeConfig) -> str:
@@ -332,7 +346,7 @@ def run_bench(
     }
     floor = weight_read_floor(target)
     plain_ms = 1e3 * sum(r.seconds for r in runs["vanilla"]) / max(1, sum(r.steps + 1 for r in runs["vanilla"]))
-    info.update(cost_model=cost.describe(), engine="static" if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
+    info.update(cost_model=cost.describe(), engine=engine_label(target.engine) if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
                 weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
                 vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
     outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}

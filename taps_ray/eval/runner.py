@@ -222,4 +222,4 @@ def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], Targ
     for d in report.divergences:
         if not d.tie:
             print(f"taps eval:   {d.method} turn {d.prompt} position {d.position}: {d.vanilla_token} vs "
-                  f"{d.other_token}, fp32 gap {d.gap:.4f}", flush=True)
+                  f"{d.other_token}, fp32 gap {d.gap:.4f} beyond the rounding bound {d.bound:.4f}", flush=True)

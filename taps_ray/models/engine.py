@@ -7,7 +7,9 @@ runs the same arithmetic directly on the model's own weights:
 
 - q/k/v and gate/up are fused into one matrix each (the HF modules' weights become views of them, so
   the two forwards share storage and any in-place change to a weight reaches both);
-- on CPU in float32 every product runs through oneDNN on a prepacked copy of its weight (:class:`Linear`);
+- on CPU in float32 (and in bfloat16 where oneDNN has native bf16) every product runs through oneDNN on a
+  prepacked copy of its weight (:class:`Linear`); with ``weights="int4"`` the layers' products read 4-bit
+  codes instead (:class:`~taps_ray.models.quant.Int4Linear`), the LM head stays dense;
 - :class:`KVCache` preallocates every layer's keys and values, ``[L, kv_heads, C, d]``, with an explicit
   ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
   back, and compaction after tree verification gathers the accepted entries by index;
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from taps_ray.models.quant import Int4Linear, Int4Weight, quantize_rtn
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
@@ -165,20 +169,23 @@ class Linear:
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`Linear` prepacks for oneDNN here: a CPU with torch's mkldnn, in float32."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether :class:`Linear` prepacks for oneDNN here: a CPU with torch's mkldnn, in float32, or in bfloat16
+    where oneDNN has native bf16 (1.3-1.9x ``F.linear`` at 1-16 rows on AVX-512 bf16, docs/BENCHMARKS.md)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass
 class _Layer:
     norm_in: torch.nn.Module
-    qkv: Linear
+    qkv: Linear | Int4Linear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    o_proj: Linear
+    o_proj: Linear | Int4Linear
     norm_post: torch.nn.Module
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int4Linear
+    down: Linear | Int4Linear
     window: int | None
 
 
@@ -186,9 +193,13 @@ class StaticEngine:
     """The decoder forward of ``model`` (a family :func:`static_support` accepts) on :class:`KVCache` caches.
 
     ``windows``: per layer, its sliding window (None: full attention), as the target applies them.
+    ``weights``: ``dense`` (the model's own weights) or ``int4`` (the layers' products on 4-bit codes:
+    ``int4_codes`` by HF parameter name where given, such as a GGUF's own Q4_1 blocks, else round-to-nearest
+    from the dense weight). ``int4_error``: the largest |codes' value - dense weight| over the given codes.
     """
 
-    def __init__(self, model, windows: list[int | None]):
+    def __init__(self, model, windows: list[int | None], weights: str = "dense",
+                 int4_codes: dict[str, Int4Weight] | None = None):
         reason = static_support(model)
         if reason is not None:
             raise ValueError(f"the static engine cannot run this target: {reason}")
@@ -203,18 +214,42 @@ class StaticEngine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.packed = can_pack(self.device, self.dtype)
+        if weights not in ("dense", "int4"):
+            raise ValueError(f"weights must be dense or int4, got {weights!r}")
+        self.weights = weights
+        self._codes = int4_codes or {}
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self.int4_error = 0.0
         self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
+        self._codes = {}
         self._head: Linear | None = None
 
     def _layer(self, layer, window: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse([attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _fuse([mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj])
-        linear = lambda weight, bias: Linear(weight, bias, self.packed)  # noqa: E731
-        return _Layer(layer.input_layernorm, linear(*qkv), getattr(attn, "q_norm", None),
-                      getattr(attn, "k_norm", None), linear(attn.o_proj.weight, attn.o_proj.bias),
-                      layer.post_attention_layernorm, linear(*gate_up), linear(mlp.down_proj.weight, mlp.down_proj.bias),
-                      window)
+        qkv_parts = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+        up_parts = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        names = lambda parts: [self._names[id(p.weight)] for p in parts]  # noqa: E731
+        qkv, gate_up = (self._product(*_fuse(parts), names(parts)) for parts in (qkv_parts, up_parts))
+        return _Layer(layer.input_layernorm, qkv, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+                      self._product(attn.o_proj.weight, attn.o_proj.bias, names([attn.o_proj])),
+                      layer.post_attention_layernorm, gate_up,
+                      self._product(mlp.down_proj.weight, mlp.down_proj.bias, names([mlp.down_proj])), window)
+
+    def _product(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear | Int4Linear:
+        """The product of one (fused) weight [N, K] made of the parameters ``names``, in this engine's format."""
+        if self.weights == "dense":
+            return Linear(weight, bias, self.packed)
+        given = [self._codes.get(name) for name in names]
+        if not all(given):
+            return Int4Linear(quantize_rtn(weight), bias, self.dtype, weight)
+        codes = Int4Weight.cat(given)
+        error = float((codes.dequantize() - weight.detach().float().cpu()).abs().max())
+        bound = torch.finfo(self.dtype).eps * float(weight.detach().abs().max())
+        if error > bound:
+            raise ValueError(f"the int4 codes of {', '.join(names)} do not match the dense weights (largest "
+                             f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
+        self.int4_error = max(self.int4_error, error)
+        return Int4Linear(codes, bias, self.dtype, weight)
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`
@@ -222,6 +257,20 @@ class StaticEngine:
         if self._head is None or self._head.weight is not head.weight:
             self._head = Linear(head.weight, head.bias, self.packed)
         return self._head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+
+    def step_tensors(self, head: torch.nn.Linear) -> list[torch.Tensor]:
+        """Every tensor a plain step reads in full, in the format the products read them (int4: the packed
+        codes and their scales), the LM head ``head``'s weight included: what the weight-read floor reads."""
+        tensors = [*self.base.norm.parameters(), head.weight]
+        for layer in self.layers:
+            tensors += [*layer.norm_in.parameters(), *layer.norm_post.parameters()]
+            for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                if isinstance(product, Int4Linear):
+                    tensors += [product.packed, product.scale_zero]
+                else:
+                    tensors.append(product.weight)
+                tensors += [] if product.bias is None else [product.bias]
+        return tensors
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)

@@ -25,6 +25,7 @@ from taps_ray import artifacts
 from taps_ray.config import TargetConfig
 from taps_ray.models.attention import use_gqa_sdpa
 from taps_ray.models.engine import KVCache, Segment, StaticEngine, static_support
+from taps_ray.models.quant import Int4Weight, auto_weights, int4_unsupported, read_gguf_q4_1
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +228,12 @@ class TargetModel:
     soft-capping included).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, name: str, engine: str = "auto"):
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str, engine: str = "auto", weights: str = "dense",
+                 gguf: Path | None = None, weights_required: bool = False):
         model.eval().requires_grad_(False)
         self.windows = attention_windows(model, name)
-        self.engine = _engine(model, self.windows, name, engine)
+        self.engine = _engine(model, self.windows, name, engine, weights, gguf, weights_required)
+        self.weights = self.engine.weights if self.engine is not None else "dense"
         text = model.config.get_text_config(decoder=True)
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
         if getattr(text, "attn_logit_softcapping", None) is not None and model.config._attn_implementation == "sdpa":
@@ -267,19 +270,24 @@ class TargetModel:
             torch.set_num_threads(cfg.threads)
         start = time.perf_counter()
         source = cfg.model
+        gguf = None
         if source.startswith(EMBEDDED_PREFIX):
             folder = _embedded_hf_folder(embedded_name(source))
+            gguf = artifacts.fetch(embedded_name(source))
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
         else:
             model, tokenizer = _load_hf(source.removeprefix("hf:"), dtype)
+            gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
-        target = cls(model, tokenizer, name=source, engine=cfg.engine)
+        weights = _weights(cfg.weights, device, dtype, source)
+        target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
+                     weights_required=cfg.weights != "auto")
         if cfg.max_context:
             target.max_context = min(target.max_context, cfg.max_context)
         target.dtype_note = dtype_reason(device, dtype, cfg.dtype)
-        log.info("target %s loaded on %s in %.1fs, dtype %s", source, device, time.perf_counter() - start,
-                 target.dtype_note)
+        log.info("target %s loaded on %s in %.1fs, dtype %s, weights %s", source, device, time.perf_counter() - start,
+                 target.dtype_note, target.weights)
         return target
 
     def _embed_hash(self) -> str:
@@ -400,19 +408,45 @@ class TargetModel:
 
     def describe(self) -> dict:
         return {**self.fingerprint.to_dict(), "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "dtype_note": self.dtype_note, "engine": "static" if self.engine is not None else "hf", "layers": self.config.num_hidden_layers, "max_context": self.max_context}
+                "dtype_note": self.dtype_note, "engine": "static" if self.engine is not None else "hf",
+                "weights": self.weights, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
-def _engine(model: PreTrainedModel, windows: list[int | None], name: str, requested: str) -> StaticEngine | None:
+def _weights(requested: str, device: torch.device, dtype: torch.dtype, name: str) -> str:
+    """``target.weights`` resolved: ``auto`` by :func:`~taps_ray.models.quant.auto_weights`; ``int4`` where its
+    kernel cannot run here is a :class:`TargetLoadError` naming why."""
+    if requested not in ("auto", "dense", "int4"):
+        raise TargetLoadError(f"target.weights must be auto, dense or int4, got {requested!r}")
+    if requested == "auto":
+        return auto_weights(device, dtype)
+    reason = int4_unsupported(device, dtype) if requested == "int4" else None
+    if reason:
+        raise TargetLoadError(f"target {name!r}: {reason}")
+    return requested
+
+
+def _engine(model: PreTrainedModel, windows: list[int | None], name: str, requested: str, weights: str = "dense",
+            gguf: Path | None = None, weights_required: bool = False) -> StaticEngine | None:
     """The static engine for ``model`` when ``requested`` allows it (auto: where the family supports it;
-    static: required, TargetLoadError otherwise; hf: never)."""
+    static: required, TargetLoadError otherwise; hf: never), its layers in ``weights`` (int4: the codes of
+    ``gguf``'s Q4_1 tensors where it has them). int4 without the static engine is a TargetLoadError when
+    ``weights_required`` (set explicitly), else the forward stays dense."""
     if requested not in ("auto", "static", "hf"):
         raise TargetLoadError(f"target.engine must be auto, static or hf, got {requested!r}")
+    reason = "target.engine=hf" if requested == "hf" else static_support(model)
+    if reason is None:
+        codes: dict[str, Int4Weight] = {}
+        if weights == "int4" and gguf is not None:
+            codes = read_gguf_q4_1(gguf, model.config.get_text_config(decoder=True))
+        try:
+            return StaticEngine(model, windows, weights, codes)
+        except ValueError as err:
+            raise TargetLoadError(f"target {name!r}: {err}") from err
+    if weights == "int4" and weights_required:
+        raise TargetLoadError(f"target {name!r}: int4 weights run on the static engine, which this target does not "
+                              f"({reason}); use target.weights=dense")
     if requested == "hf":
         return None
-    reason = static_support(model)
-    if reason is None:
-        return StaticEngine(model, windows)
     if requested == "static":
         raise TargetLoadError(f"target {name!r}: target.engine=static, but {reason}; use engine auto or hf")
     log.info("target %s runs transformers' forward: %s", name, reason)

@@ -101,15 +101,22 @@ def _cpu_identity() -> str:
 
 def fingerprint(target) -> dict:
     """What a verification's cost depends on: the device (CPU model and flags, or GPU name), dtype, threads,
-    torch version, the target's engine and sizes."""
+    torch version, the target's engine (its product format: oneDNN-packed, int4) and sizes."""
     device = target.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
     engine = getattr(target, "engine", None)
     return {"device": device.type, "hardware": where, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "engine": "hf" if engine is None else f"static{'-packed' if engine.packed else ''}",
+            "engine": "hf" if engine is None else engine_label(engine),
             "target": {"hidden": target.hidden_size, "vocab": target.vocab_size,
                        "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
+
+
+def engine_label(engine) -> str:
+    """``static``, ``static-packed`` (oneDNN-prepacked dense products) or ``static-int4`` (4-bit layer weights)."""
+    if engine.weights == "int4":
+        return "static-int4"
+    return f"static{'-packed' if engine.packed else ''}"
 
 
 def _sync(device: torch.device) -> None:

@@ -48,7 +48,19 @@ def test_packed_product_follows_its_weight():
         torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_packing_only_for_float32_on_cpu():
-    assert not can_pack(torch.device("cpu"), torch.bfloat16)
+def test_packing_on_cpu_for_float32_and_for_bfloat16_where_onednn_has_native_bf16():
+    mkldnn = torch.backends.mkldnn.is_available()
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == (mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("cuda"), torch.float32)
-    assert can_pack(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
+    assert can_pack(torch.device("cpu"), torch.float32) == mkldnn
+
+
+def test_packed_bfloat16_product_follows_its_weight():
+    weight, bias = torch.randn(40, 32).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
+    linear = Linear(weight, bias, pack=can_pack(torch.device("cpu"), torch.bfloat16))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=0.05, rtol=0.02)
+        weight.mul_(2.0)
+        torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=0.1, rtol=0.02)

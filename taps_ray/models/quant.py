@@ -1,0 +1,150 @@
+"""Weight-only 4-bit products for the static engine (``target.weights: int4``).
+
+A weight ``W`` [N, K] is stored as codes ``q`` in 0..15 in groups of :data:`GROUP` along K, each group with
+a scale ``d`` and a minimum ``m``: ``W = d * q + m``, the layout of GGUF's Q4_1 blocks. For a GGUF target
+(the embedded one included) the codes, scales and minima are the file's own, read by :func:`read_gguf_q4_1`;
+for any other target they come from the dense weights by round-to-nearest (:func:`quantize_rtn`). The
+product runs through torch's CPU kernel ``_weight_int4pack_mm_for_cpu``, which dequantizes
+``(q - 8) * scale + zero`` per group inside the matmul, so ``zero = m + 8 d``.
+
+Shapes: ``N`` output features, ``K`` input features, ``G = K / GROUP`` groups per row, ``T`` rows of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32
+WEIGHT_FORMATS = ("auto", "dense", "int4")
+LAYER_PROJECTIONS = {  # GGUF block tensor -> the HF module path inside a decoder layer
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
+
+
+@dataclass
+class Int4Weight:
+    """``codes`` [N, K] uint8 in 0..15, ``scale`` and ``minimum`` [N, G] float32: ``W = scale * codes + minimum``
+    per group of :data:`GROUP` columns."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] these codes stand for."""
+        expand = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
+        return self.codes.float() * expand(self.scale) + expand(self.minimum)
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """The weights of ``parts`` stacked along N (as the engine fuses q/k/v and gate/up)."""
+        return Int4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("codes", "scale", "minimum")))
+
+
+def quantize_rtn(weight: torch.Tensor) -> Int4Weight:
+    """Round-to-nearest asymmetric 4-bit codes of ``weight`` [N, K] (K a multiple of :data:`GROUP`), each
+    group's minimum and ``(max - min) / 15`` as its scale, as llama.cpp's Q4_1 quantizer does."""
+    n, k = weight.shape
+    groups = weight.detach().float().cpu().reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((groups - low[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(codes.reshape(n, k), scale, low)
+
+
+def _q4_1_blocks(data: np.ndarray, rows: int, cols: int) -> Int4Weight:
+    """Codes, scales and minima of a Q4_1 tensor whose raw bytes are ``data`` [rows, cols / 32 * 20]."""
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // GROUP, Q4_1_BLOCK_BYTES)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    return Int4Weight(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+def _unpermute_rope_rows(weight: Int4Weight, heads: int) -> Int4Weight:
+    """Undo llama.cpp's row order of a Llama q/k projection (rotary halves interleaved per head), as
+    transformers' GGUF loader does for the dense weight; rows move whole, so groups stay intact."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    return Int4Weight(rows(weight.codes), rows(weight.scale), rows(weight.minimum))
+
+
+def read_gguf_q4_1(path: str | Path, config) -> dict[str, Int4Weight]:
+    """Every Q4_1 decoder-layer projection of the GGUF file at ``path``, keyed by its HF parameter name
+    (``model.layers.{i}.self_attn.q_proj.weight`` ...); tensors in other GGUF types are left out (the caller
+    quantizes those from the dense weights). ``config``: the target's HF text config (Llama q/k rows are
+    reordered as transformers' loader reorders the dense ones)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    out: dict[str, Int4Weight] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_PROJECTIONS:
+            continue
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        cols, rows = (int(x) for x in tensor.shape)
+        weight = _q4_1_blocks(tensor.data, rows, cols)
+        if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+            weight = _unpermute_rope_rows(weight, heads if parts[2] == "attn_q" else kv_heads)
+        out[f"model.layers.{parts[1]}.{LAYER_PROJECTIONS[parts[2]]}.weight"] = weight
+    return out
+
+
+def int4_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why int4 weights cannot run on ``device`` in ``dtype``, or None when they can (a CPU, bfloat16
+    activations: torch's float32 path of the kernel is 20-60x slower than dense, docs/BENCHMARKS.md)."""
+    if device.type != "cpu":
+        return f"int4 weights run on the CPU kernel only (device {device.type}); use target.weights=dense"
+    if dtype != torch.bfloat16:
+        return (f"int4 weights need bfloat16 activations (target.dtype={str(dtype).removeprefix('torch.')}: "
+                f"torch's kernel is slower than dense there); use target.dtype=bfloat16 or target.weights=dense")
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return f"this torch ({torch.__version__}) has no _weight_int4pack_mm_for_cpu"
+    return None
+
+
+def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
+    """``target.weights: auto``: int4 where it was measured faster than dense (a CPU with native bf16
+    running bfloat16, docs/BENCHMARKS.md), dense everywhere else."""
+    from taps_ray.models.target import cpu_native_bf16
+
+    if int4_unsupported(device, dtype) is None and cpu_native_bf16():
+        return "int4"
+    return "dense"
+
+
+class Int4Linear:
+    """``x [T, K] -> x @ W.T + bias`` [T, N] for an :class:`Int4Weight`, in ``dtype`` (bfloat16), through torch's
+    ``_weight_int4pack_mm_for_cpu``. ``source``: the dense parameter the codes were made from; a change to it
+    after packing (its storage or ``_version``) is an error, never a silently stale product."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, source: torch.Tensor):
+        n, k = weight.codes.shape
+        if k % GROUP:
+            raise ValueError(f"int4 weights need input features in multiples of {GROUP}, got {k}")
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
+        self.scale_zero = torch.stack([weight.scale.T, (weight.minimum + 8 * weight.scale).T], dim=-1).to(dtype).contiguous()
+        self.bias = bias
+        self.source, self._key = source, (source.data_ptr(), source._version)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.source.data_ptr(), self.source._version) != self._key:
+            raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
+                               "(or use target.weights=dense)")
+        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,128 @@
+"""models/quant.py: 4-bit codes (GGUF Q4_1 blocks, round-to-nearest) and the int4 product of the static engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from taps_ray.config import TargetConfig
+from taps_ray.models.quant import (
+    GROUP,
+    Int4Linear,
+    Int4Weight,
+    _q4_1_blocks,
+    _unpermute_rope_rows,
+    auto_weights,
+    int4_unsupported,
+    quantize_rtn,
+    read_gguf_q4_1,
+)
+from taps_ray.models.target import TargetLoadError, TargetModel
+from tests.conftest import make_tiny_target
+
+
+def _q4_1_like(n: int, k: int, seed: int = 0) -> Int4Weight:
+    """Random codes as llama.cpp's Q4_1 quantizer leaves them: every group holds a 0 and a 15."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    codes[:, ::GROUP], codes[:, 1::GROUP] = 0, 15
+    scale = torch.rand(n, k // GROUP, generator=gen) * 0.02 + 1e-3
+    minimum = -torch.rand(n, k // GROUP, generator=gen) * 0.1
+    return Int4Weight(codes, scale, minimum)
+
+
+def test_rtn_recovers_the_codes_of_a_q4_1_weight():
+    weight = _q4_1_like(8, 96)
+    again = quantize_rtn(weight.dequantize())
+    assert torch.equal(again.codes, weight.codes)
+    torch.testing.assert_close(again.dequantize(), weight.dequantize(), rtol=0, atol=1e-6)
+
+
+def test_q4_1_blocks_read_scale_minimum_and_both_nibbles():
+    codes = np.arange(32, dtype=np.uint8) % 16
+    block = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.array([-2.0], np.float16).view(np.uint8),
+                            (codes[:16] | (codes[16:] << 4)).astype(np.uint8)])
+    weight = _q4_1_blocks(np.stack([block, block[::1]]), rows=2, cols=32)
+    assert weight.codes[0].tolist() == codes.tolist()
+    assert weight.scale.tolist() == [[0.5], [0.5]] and weight.minimum.tolist() == [[-2.0], [-2.0]]
+    assert weight.dequantize()[0, 3].item() == pytest.approx(0.5 * 3 - 2.0)
+
+
+def test_rope_rows_are_reordered_as_transformers_reorders_the_dense_weight():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    weight = _q4_1_like(24, 64)  # 3 heads of 8 rows
+    ours = _unpermute_rope_rows(weight, heads=3).dequantize().numpy()
+    theirs = LlamaTensorProcessor({"num_attention_heads": 3, "num_key_value_heads": 3})._reverse_permute_weights(
+        weight.dequantize().numpy(), 3, 3)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_int4_product_is_the_dequantized_weights_product_within_bf16_rounding():
+    weight, bias = _q4_1_like(96, 64), torch.randn(96).to(torch.bfloat16)
+    source = torch.zeros(1)
+    linear = Int4Linear(weight, bias, torch.bfloat16, source)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        out = linear(x.to(torch.bfloat16))
+    exact = x @ weight.dequantize().T + bias.float()
+    assert out.shape == (5, 96) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), exact, rtol=0.02, atol=0.02 * float(exact.abs().max()))
+    source.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed after they were packed"):
+        linear(x.to(torch.bfloat16))
+
+
+def test_int4_runs_where_its_kernel_pays_and_says_why_elsewhere(monkeypatch):
+    assert int4_unsupported(torch.device("cpu"), torch.bfloat16) is None
+    assert "bfloat16 activations" in int4_unsupported(torch.device("cpu"), torch.float32)
+    assert "CPU kernel only" in int4_unsupported(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: None)
+    assert auto_weights(torch.device("cpu"), torch.bfloat16) == "dense"
+    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: "avx512_bf16")
+    assert auto_weights(torch.device("cpu"), torch.bfloat16) == "int4"
+    assert auto_weights(torch.device("cpu"), torch.float32) == "dense"
+
+
+def test_int4_engine_of_a_tiny_target_follows_its_dense_forward():
+    """Round-to-nearest codes of a tiny Llama (no GGUF): the int4 engine's logits stay close to the dense
+    float32 forward of the weights the codes stand for (a wiring mistake, such as fused q/k/v in the wrong
+    order, would not)."""
+    dense = make_tiny_target(0)
+    with torch.no_grad():
+        for layer in dense.model.model.layers:
+            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                module.weight.copy_(quantize_rtn(module.weight).dequantize())
+    int4 = make_tiny_target(0)
+    int4.model.load_state_dict(dense.model.state_dict())
+    int4 = TargetModel(int4.model.to(torch.bfloat16), None, "tiny-int4", weights="int4")
+    assert int4.weights == "int4"
+    ids = torch.arange(3, 19)[None]
+    with torch.inference_mode():
+        reference = dense.prefill(ids).logits
+        logits = int4.prefill(ids).logits
+    error = float((logits - reference).abs().max())
+    assert error < 0.05 * float(reference.abs().max()), error
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+def test_int4_is_refused_with_a_reason_where_it_cannot_run():
+    with pytest.raises(TargetLoadError, match="bfloat16 activations"):
+        TargetModel.load(TargetConfig(dtype="float32", weights="int4"))
+    tiny = make_tiny_target(0)
+    with pytest.raises(TargetLoadError, match="static engine"):
+        TargetModel(tiny.model, None, "tiny", engine="hf", weights="int4", weights_required=True)
+
+
+@pytest.mark.integration
+def test_the_embedded_ggufs_q4_1_codes_are_exactly_its_float32_weights(embedded_target):
+    """The codes the int4 engine runs are the GGUF's own: dequantized, every layer projection equals the
+    float32 copy transformers made of the same file (largest difference 0, docs/BENCHMARKS.md)."""
+    from taps_ray import artifacts
+
+    codes = read_gguf_q4_1(artifacts.fetch("smollm2-135m"), embedded_target.config)
+    params = dict(embedded_target.model.named_parameters())
+    assert len(codes) == 7 * embedded_target.config.num_hidden_layers
+    assert max(float((w.dequantize() - params[name]).abs().max()) for name, w in codes.items()) == 0.0
