@@ -1,18 +1,18 @@
-"""The target's forward per row count, three ways in one process: transformers' forward, the static engine
-with plain ``F.linear`` products, and the static engine with oneDNN-prepacked products (the default on CPU
-in float32).
+"""The target's forward per row count, four ways in one process: transformers' forward, the static engine
+with plain ``F.linear`` products, with oneDNN-prepacked products (the default on CPU in float32, and in
+bfloat16 where oneDNN has native bf16) and with int4 layer weights (where they run: bfloat16 on a CPU).
 
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
     python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
 
 Each row count n is one forward of n tokens (a chain of tree nodes, the LM head included) after the
-prompt's cache, the mean of ``--repeats`` after one warm-up, the three variants interleaved. Prints one
+prompt's cache, the mean of ``--repeats`` after one warm-up, the variants interleaved. Prints one
 line per n, and the weight-read floor (every weight read once) measured in the same run.
 
 ``--products``: the 30 layers' four products of the embedded target's shapes on random weights (425 MB in
 fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
-fp16 ``F.linear`` and torch's int8 weight-only kernel (``_weight_int8pack_mm``): which formats pay here.
-"""
+fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked and
+int4 codes in groups of 32 (``models/quant.py``, bf16 activations): which formats pay here."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from taps_ray.config import TargetConfig
 from taps_ray.eval.bench import weight_read_floor
 from taps_ray.models.engine import can_pack
+from taps_ray.models.quant import Int4Linear, int4_unsupported, quantize_rtn
 from taps_ray.models.target import TargetModel, crop_cache
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -69,6 +70,9 @@ def products(rows: list[int], repeats: int) -> None:
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in weights]
     half = {name: [[w.to(dtype) for w in layer] for layer in weights]
             for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    bf16_packed = ([[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in half["bf16"]]
+                   if can_pack(torch.device("cpu"), torch.bfloat16) else None)
+    int4 = [[Int4Linear(quantize_rtn(w), None, torch.bfloat16, w) for w in layer] for layer in weights]
     int8 = []
     for layer in weights:
         row = []
@@ -86,7 +90,8 @@ def products(rows: list[int], repeats: int) -> None:
             times.append(time.perf_counter() - start)
         return 1e3 * min(times)
 
-    print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only  (ms)")
+    print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only | "
+          "bf16 oneDNN packed | int4 (bf16 activations)  (ms)")
     for n in rows:
         x = {576: torch.randn(n, 576), 1536: torch.randn(n, 1536)}
         cols = [best(lambda x=x: [F.linear(x[w.shape[1]], w) for layer in formats["fp32"] for w in layer]),
@@ -98,6 +103,11 @@ def products(rows: list[int], repeats: int) -> None:
                                                        for w in layer]))
         cols.append(best(lambda x=x: [torch.ops.aten._weight_int8pack_mm(x[q.shape[1]], q, s)
                                   for layer in int8 for q, s in layer]))
+        xb = {k: v.to(torch.bfloat16) for k, v in x.items()}
+        cols.append(float("nan") if bf16_packed is None else best(lambda xb=xb: [
+            torch.ops.mkldnn._linear_pointwise(xb[w.shape[1]], p, None, "none", [], "")
+            for layer, lp in zip(half["bf16"], bf16_packed) for w, p in zip(layer, lp)]))
+        cols.append(best(lambda xb=xb: [q(xb[w.shape[1]]) for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
         print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
 
 
@@ -111,21 +121,24 @@ def main() -> None:
     if args.products:
         products([int(r) for r in args.rows.split(",")], min(args.repeats, 5))
         return
-    static = TargetModel.load(TargetConfig(dtype=args.dtype))
-    hf = TargetModel.load(TargetConfig(dtype=args.dtype, engine="hf"))
+    static = TargetModel.load(TargetConfig(dtype=args.dtype, weights="dense"))
+    hf = TargetModel.load(TargetConfig(dtype=args.dtype, engine="hf", weights="dense"))
+    int4 = (TargetModel.load(TargetConfig(dtype=args.dtype, weights="int4"))
+            if int4_unsupported(static.device, static.dtype) is None else None)
     ids = static.encode_chat([{"role": "user", "content": PROMPT}])
     packable = can_pack(static.device, static.dtype)
     floor = weight_read_floor(static)
     print(f"threads {torch.get_num_threads()}, dtype {args.dtype}, prompt {ids.shape[1]} tokens; weight-read floor "
           f"{floor['read_ms']} ms ({floor['weight_mb']} MB at {floor['gb_per_s']} GB/s)")
-    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms")
+    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms | static, int4 ms")
     for rows in (int(r) for r in args.rows.split(",")):
         hf_ms = forward_ms(hf, ids, rows, args.repeats)
         set_packing(static, False)
         plain_ms = forward_ms(static, ids, rows, args.repeats)
         set_packing(static, packable)
         packed_ms = forward_ms(static, ids, rows, args.repeats)
-        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f}")
+        int4_ms = forward_ms(int4, ids, rows, args.repeats) if int4 is not None else float("nan")
+        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f} | {int4_ms:.1f}")
 
 
 if __name__ == "__main__":
