@@ -140,11 +140,17 @@ class Int4Linear:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
         self.scale_zero = torch.stack([weight.scale.T, (weight.minimum + 8 * weight.scale).T], dim=-1).to(dtype).contiguous()
         self.bias = bias
-        self.source, self._key = source, (source.data_ptr(), source._version)
+        self.source, self._key = source, _identity(source)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.source.data_ptr(), self.source._version) != self._key:
+        if _identity(self.source) != self._key:
             raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
                                "(or use target.weights=dense)")
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return out if self.bias is None else out + self.bias
+
+
+def _identity(tensor: torch.Tensor) -> tuple[int, int | None]:
+    """(storage address, version) of ``tensor``; an inference tensor keeps no version (it cannot change in place
+    outside inference mode)."""
+    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version
