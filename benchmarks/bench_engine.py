@@ -12,7 +12,7 @@ line per n, and the weight-read floor (every weight read once) measured in the s
 ``--products``: the 30 layers' four products of the embedded target's shapes on random weights (425 MB in
 fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
 fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked and
-int4 codes in groups of 32 (``models/quant.py``, bf16 activations): which formats pay here."""
+int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations): which formats pay here."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from taps_ray.config import TargetConfig
 from taps_ray.eval.bench import weight_read_floor
 from taps_ray.models.engine import can_pack
-from taps_ray.models.quant import Int4Linear, int4_unsupported, quantize_rtn
+from taps_ray.models.quant import GROUP, Int4Linear, int4_unsupported, quantize_rtn
 from taps_ray.models.target import TargetModel, crop_cache
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -91,7 +91,7 @@ def products(rows: list[int], repeats: int) -> None:
         return 1e3 * min(times)
 
     print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only | "
-          "bf16 oneDNN packed | int4 (bf16 activations)  (ms)")
+          "bf16 oneDNN packed | int4 (bf16 activations) | int4 (fp32 activations)  (ms)")
     for n in rows:
         x = {576: torch.randn(n, 576), 1536: torch.randn(n, 1536)}
         cols = [best(lambda x=x: [F.linear(x[w.shape[1]], w) for layer in formats["fp32"] for w in layer]),
@@ -108,6 +108,8 @@ def products(rows: list[int], repeats: int) -> None:
             torch.ops.mkldnn._linear_pointwise(xb[w.shape[1]], p, None, "none", [], "")
             for layer, lp in zip(half["bf16"], bf16_packed) for w, p in zip(layer, lp)]))
         cols.append(best(lambda xb=xb: [q(xb[w.shape[1]]) for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
+        cols.append(best(lambda x=x: [torch._weight_int4pack_mm_for_cpu(x[w.shape[1]], q.packed, GROUP, q.scale_zero.float())
+                                      for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
         print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
 
 

@@ -107,7 +107,7 @@ def read_gguf_q4_1(path: str | Path, config) -> dict[str, Int4Weight]:
 
 def int4_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why int4 weights cannot run on ``device`` in ``dtype``, or None when they can (a CPU, bfloat16
-    activations: torch's float32 path of the kernel is 20-60x slower than dense, docs/BENCHMARKS.md)."""
+    activations: torch's float32 path of the kernel is slower than dense, docs/BENCHMARKS.md)."""
     if device.type != "cpu":
         return f"int4 weights run on the CPU kernel only (device {device.type}); use target.weights=dense"
     if dtype != torch.bfloat16:
