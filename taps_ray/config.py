@@ -411,7 +411,8 @@ class ServeConfig(Strict):
     Access and request limits are checked by the ingress before any decoding work.
     """
 
-    host: str = Field(default="127.0.0.1", description="bind address (bind beyond 127.0.0.1 only with api_keys)")
+    host: str = Field(default="127.0.0.1", description=(
+        "bind address (beyond loopback only with api_keys, or allow_unauthenticated: refused otherwise)"))
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port")
     app_name: str = Field(default="taps", description="the Ray Serve application's name")
     model_name: str | None = Field(default=None, description="the served model id (None: the target's name)")
@@ -457,6 +458,8 @@ class ServeConfig(Strict):
     api_keys: list[str] = Field(default_factory=list, exclude=True, repr=False, description=(
         "Bearer keys accepted on every route but /health and /ready (also --api-key and TAPS_API_KEY; none: "
         "open); never dumped"))
+    allow_unauthenticated: bool = Field(default=False, description=(
+        "serve without API keys on an address beyond loopback (refused otherwise: fail closed); logged as a warning"))
     docs: bool = Field(default=False, description="serve FastAPI's /docs, /redoc and /openapi.json")
     metrics_names: Literal["taps", "vllm"] = Field(default="taps", description=(
         "metric names: taps (taps_* only) or vllm (vLLM's spec-decode, request and latency names as well, "

@@ -171,7 +171,8 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accept 'Authorization: Bearer KEY' (repeatable; adds to serve.api_keys and the "
-                             "comma-separated TAPS_API_KEY env); without any key the endpoint is open")
+                             "comma-separated TAPS_API_KEY env); without any key only a loopback address is served "
+                             "(serve.allow_unauthenticated=true opens another)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -185,5 +186,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"--api-key: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     if args.port is not None and not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    run(cfg, args.host, args.port)
+    try:
+        run(cfg, args.host, args.port)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     return 0

@@ -23,9 +23,33 @@ DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.jso
 
 
 def resolve_api_keys(configured: Iterable[str], environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``configured`` keys plus the comma-separated ``TAPS_API_KEY`` ones, deduplicated in order."""
-    from_env = [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
-    return list(dict.fromkeys([*configured, *from_env]))
+    """``configured`` keys plus the comma-separated ``TAPS_API_KEY`` ones, deduplicated in order. ValueError
+    when ``TAPS_API_KEY`` is set but holds an empty or blank key (a secret that did not arrive must not
+    read as "no keys", which would open the endpoint)."""
+    configured = list(configured)
+    if ENV_KEYS in environ:
+        parts = [k.strip() for k in environ[ENV_KEYS].split(",")]
+        if not all(parts):
+            raise ValueError(f"{ENV_KEYS} is set but holds an empty or blank key ({len(parts)} comma-separated "
+                             f"entries, {parts.count('')} blank): give non-empty keys, or unset it")
+        configured += parts
+    return list(dict.fromkeys(configured))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the bind address ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    name = host.strip().lower().strip("[]")
+    return name == "localhost" or name == "::1" or name.startswith("127.")
+
+
+def exposure_refusal(host: str, api_keys: Iterable[str], allow_unauthenticated: bool) -> str | None:
+    """Why binding ``host`` must be refused (fail closed: beyond loopback only with API keys, unless
+    ``serve.allow_unauthenticated``), or None when it may go ahead."""
+    if is_loopback(host) or list(api_keys) or allow_unauthenticated:
+        return None
+    return (f"refusing to serve on {host!r} without API keys: anyone who can reach it could use the endpoint. "
+            f"Give keys (serve.api_keys, --api-key or {ENV_KEYS}), bind 127.0.0.1, or set "
+            f"serve.allow_unauthenticated=true to serve it open on purpose")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from taps_ray.config import ConfigError, ExperimentConfig, ServeConfig, apply_overrides, load_config
-from taps_ray.serving.access import resolve_api_keys
+from taps_ray.serving.access import exposure_refusal, is_loopback, resolve_api_keys
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
 from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, drafter_deployment_name, resolve_plan
@@ -133,20 +133,27 @@ def build_app(args: dict):
 
 def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None, blocking: bool = True):
     """Start (or join, with ``RAY_ADDRESS``) a Ray cluster, deploy the application on ``host:port`` and,
-    when ``blocking``, serve until Ctrl-C or SIGTERM (the application is deleted on the way out)."""
+    when ``blocking``, serve until Ctrl-C or SIGTERM (the application is deleted on the way out). ValueError,
+    before anything starts, for a bind beyond loopback without API keys (:func:`~taps_ray.serving.access.
+    exposure_refusal`) or a blank ``TAPS_API_KEY``."""
 
     from taps_ray.ray_utils import init_ray
 
-    init_ray()
     host = host or cfg.serve.host
     port = port or cfg.serve.port
+    keys = resolve_api_keys(cfg.serve.api_keys)
+    refusal = exposure_refusal(host, keys, cfg.serve.allow_unauthenticated)
+    if refusal:
+        raise ValueError(refusal)
+    init_ray()
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(cfg), name=cfg.serve.app_name, route_prefix="/", blocking=False)
     url = f"http://{host}:{port}"
     log.info("serving %s at %s/v1 (strategy %s, drafters %s); Ctrl-C to stop", cfg.target.model, url,
              cfg.serve.strategy, list(cfg.serve.drafters))
-    if not resolve_api_keys(cfg.serve.api_keys):
-        log.warning("no API keys (serve.api_keys, --api-key, TAPS_API_KEY): anyone who can reach %s may use it", url)
+    if not keys:
+        log.warning("no API keys (serve.api_keys, --api-key, TAPS_API_KEY): anyone who can reach %s may use it%s", url,
+                    "" if is_loopback(host) else " (serve.allow_unauthenticated is set: this address is beyond loopback)")
     if not blocking:
         return url
     signal.signal(signal.SIGINT, signal.default_int_handler)

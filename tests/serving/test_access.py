@@ -321,9 +321,39 @@ def test_max_draft_deadline_s_raises_the_bound():
 def test_api_keys_are_not_dumped_and_resolve_with_the_env():
     cfg = ServeConfig(api_keys=["k1"])
     assert "api_keys" not in cfg.model_dump() and "k1" not in repr(cfg)
-    assert access.resolve_api_keys(["k1"], {"TAPS_API_KEY": "k2, k1,,k3"}) == ["k1", "k2", "k3"]
+    assert access.resolve_api_keys(["k1"], {"TAPS_API_KEY": "k2, k1,k3"}) == ["k1", "k2", "k3"]
     with pytest.raises(ValueError, match="api_keys"):
         ServeConfig(api_keys=["has space"])
+
+
+@pytest.mark.parametrize("secret", ["", "   ", "k1,,k2", "k1, "])
+def test_a_blank_key_secret_is_an_error_not_an_open_endpoint(secret):
+    with pytest.raises(ValueError, match="TAPS_API_KEY is set but holds an empty or blank key"):
+        access.resolve_api_keys([], {"TAPS_API_KEY": secret})
+    assert access.resolve_api_keys([], {}) == []
+
+
+def test_binding_beyond_loopback_without_keys_is_refused_unless_allowed_explicitly():
+    for host in ("127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]"):
+        assert access.is_loopback(host) and access.exposure_refusal(host, [], False) is None
+    for host in ("0.0.0.0", "::", "10.0.0.5", "example.com"):
+        assert not access.is_loopback(host)
+        assert "refusing to serve on" in access.exposure_refusal(host, [], False)
+        assert access.exposure_refusal(host, ["k1"], False) is None
+        assert access.exposure_refusal(host, [], True) is None
+
+
+def test_taps_serve_refuses_a_public_bind_without_keys_before_starting_anything(monkeypatch, capsys):
+    """Through the CLI: exit 2 with the reason; Ray is never started (a started cluster fails the test)."""
+    from taps_ray import cli, ray_utils
+
+    monkeypatch.delenv("TAPS_API_KEY", raising=False)
+    monkeypatch.setattr(ray_utils, "init_ray", lambda *a, **k: pytest.fail("Ray started for a refused bind"))
+    assert cli.main(["serve", "configs/demo.yaml", "--host", "0.0.0.0"]) == 2
+    assert "refusing to serve on '0.0.0.0' without API keys" in capsys.readouterr().err
+    monkeypatch.setenv("TAPS_API_KEY", " ")
+    assert cli.main(["serve", "configs/demo.yaml"]) == 2
+    assert "TAPS_API_KEY is set but holds an empty or blank key" in capsys.readouterr().err
 
 
 # -- context window before prefill ----------------------------------------------------------------
