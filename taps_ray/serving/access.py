@@ -1,5 +1,5 @@
 """Checks every HTTP request passes before routing, as a pure ASGI middleware (no Ray): the Host
-allow-list (400), the API key (401, every route but ``/health`` and ``/ready``), the docs switch (404) and the
+allow-list (400), Serve's proxy-control headers (400, :data:`PROXY_CONTROL_HEADERS`), the API key (401, every route but ``/health`` and ``/ready``), the docs switch (404) and the
 body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too).
 Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_body`)."""
 
@@ -20,6 +20,9 @@ ENV_KEYS = "TAPS_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready"})
 """Probe routes: liveness and readiness answer without a key (they say nothing but up or down)."""
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PROXY_CONTROL_HEADERS = ("x-request-disconnect-disabled", "x-request-timeout-seconds")
+"""Headers through which Serve's HTTP proxy lets a client keep a request running after it hangs up, or set
+its own timeout: refused (400), so that no client can hold a decoding slot past the server's limits."""
 
 
 def resolve_api_keys(configured: Iterable[str], environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -141,6 +144,10 @@ class AccessGuard:
         if not policy.host_ok(headers.get("host")):
             return _error(400, "Host: this server does not answer for the requested host name", "Host",
                           "host_not_allowed")
+        for name in PROXY_CONTROL_HEADERS:
+            if name in headers:
+                return _error(400, f"{name}: this header is not accepted here (the server sets request timeouts "
+                                   f"and cancels a request whose client disconnects)", name, "header_not_allowed")
         if policy.api_keys and path not in OPEN_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():

@@ -233,6 +233,15 @@ def test_host_allow_list(serve_app, host, ok):
         assert_error(result, 400, "Host")
 
 
+@pytest.mark.parametrize("header", ["x-request-disconnect-disabled", "X-Request-Timeout-Seconds"])
+def test_headers_that_would_let_a_client_hold_a_slot_are_refused(serve_app, header):
+    call = serve_app()
+    value = "?1" if "disconnect" in header.lower() else "100000"
+    assert_error(call("POST", CHAT, chat(), {header: value}), 400, header.lower())
+    assert_error(call("GET", "/v1/models", None, {header: value}), 400, header.lower())
+    assert call("POST", CHAT, chat())[0] == 200
+
+
 # -- body size ------------------------------------------------------------------------------------
 
 def test_an_oversized_body_is_413_with_content_length(serve_app):
