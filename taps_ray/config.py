@@ -389,6 +389,9 @@ class CaptureConfig(Strict):
         "bytes of shards kept at most; the oldest shards are removed beyond it (None: no size limit)"))
     rows_per_shard: int = Field(default=64, ge=1, description=(
         "rows buffered per replica before a shard is written (also written when the replica shuts down)"))
+    max_age_s: float | None = Field(default=None, gt=0, allow_inf_nan=False, description=(
+        "seconds a shard is kept after it was written; older ones are removed at the next write (None: no age "
+        "limit)"))
 
 
 def default_serve_drafters() -> dict[str, DrafterServeConfig]:

@@ -136,20 +136,23 @@ class CaptureWriter:
             rows, self.rows = self.rows, []
         if not rows:
             return None
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_folder(self.folder)
         with self._exclusive():
             manifest = self._manifest()
             state = manifest["capture"]
             first = state["next_row_id"]
             path = self.folder / f"part-{first:012d}.parquet"
             atomic_write(path, _shard_bytes(rows, first))
+            path.chmod(PRIVATE_FILE)
             state["next_row_id"] = first + len(rows)
             state["shards"][path.name] = {
-                "rows": len(rows), "bytes": path.stat().st_size,
+                "rows": len(rows), "bytes": path.stat().st_size, "written_at": time.time(),
                 "tokens": sum(r["length"] for r in rows), "loss_tokens": sum(sum(r["loss_mask"]) for r in rows),
                 "features": all(r["hidden"] is not None for r in rows)}
-            self._evict(state)
+            evicted = self._evict(state)
             self._write_manifest(manifest)
+            for name in evicted:  # only once the manifest no longer names them
+                (self.folder / name).unlink(missing_ok=True)
         return path
 
     def _exclusive(self):
@@ -168,16 +171,21 @@ class CaptureWriter:
             return manifest
         return {"capture": {"next_row_id": 0, "shards": {}, "evicted_rows": 0}}
 
-    def _evict(self, state: dict) -> None:
-        shards = state["shards"]
+    def _evict(self, state: dict) -> list[str]:
+        """Drop the oldest shards from ``state`` while the rows, bytes or age budget is exceeded (the newest
+        shard always stays); the names dropped, for the caller to unlink after the manifest is written."""
+        shards, dropped = state["shards"], []
+        oldest_kept = None if self.cfg.max_age_s is None else time.time() - self.cfg.max_age_s
         for name in sorted(shards)[:-1]:
             rows = sum(s["rows"] for s in shards.values())
             size = sum(s["bytes"] for s in shards.values())
-            if (self.cfg.max_rows is None or rows <= self.cfg.max_rows) and \
+            too_old = oldest_kept is not None and shards[name].get("written_at", time.time()) < oldest_kept
+            if not too_old and (self.cfg.max_rows is None or rows <= self.cfg.max_rows) and \
                     (self.cfg.max_bytes is None or size <= self.cfg.max_bytes):
                 break
-            (self.folder / name).unlink(missing_ok=True)
             state["evicted_rows"] += shards.pop(name)["rows"]
+            dropped.append(name)
+        return dropped
 
     def _write_manifest(self, manifest: dict) -> None:
         import pyarrow.parquet as pq
@@ -185,7 +193,7 @@ class CaptureWriter:
         shards = manifest["capture"]["shards"]
         paths = [str(self.folder / name) for name in sorted(shards)]
         hashes = pq.read_table(paths, columns=["prompt_sha256"]).column("prompt_sha256").to_pylist()
-        write_json(self.folder / FEATURE_PROMPTS, {"sha256": hashes})
+        write_json(self.folder / FEATURE_PROMPTS, {"sha256": hashes}).chmod(PRIVATE_FILE)
         manifest.update({
             "dataset": self.folder.name, "origin": ORIGIN, "format": FORMAT_VERSION, "target": self.fingerprint,
             "rows": sum(s["rows"] for s in shards.values()), "tokens": sum(s["tokens"] for s in shards.values()),
@@ -194,7 +202,18 @@ class CaptureWriter:
             "skipped": {}, "truncated": 0, "regenerated": 0,
             "features": all(s["features"] for s in shards.values()),
         })
-        write_json(self.folder / MANIFEST, manifest)
+        write_json(self.folder / MANIFEST, manifest).chmod(PRIVATE_FILE)
+
+
+PRIVATE_FILE, PRIVATE_FOLDER = 0o600, 0o700
+"""Modes of capture files and folders: captured prompts and outputs are user data, readable by the server's
+user only."""
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` (and missing parents) readable by this user only, and make an existing one so."""
+    folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_FOLDER)
+    folder.chmod(PRIVATE_FOLDER)
 
 
 @contextmanager
@@ -220,7 +239,7 @@ def snapshot(folder: str | Path, into: str | Path) -> Path:
     folder, into = Path(folder), Path(into)
     if into.exists():
         shutil.rmtree(into)
-    into.mkdir(parents=True)
+    private_folder(into)
     with exclusive(folder):
         manifest = json.loads((folder / MANIFEST).read_text())
         for name in sorted(manifest["capture"]["shards"]):
@@ -228,8 +247,10 @@ def snapshot(folder: str | Path, into: str | Path) -> Path:
                 os.link(folder / name, into / name)
             except OSError:
                 shutil.copy2(folder / name, into / name)
+            (into / name).chmod(PRIVATE_FILE)
         shutil.copy2(folder / FEATURE_PROMPTS, into / FEATURE_PROMPTS)
-        write_json(into / MANIFEST, manifest)
+        (into / FEATURE_PROMPTS).chmod(PRIVATE_FILE)
+        write_json(into / MANIFEST, manifest).chmod(PRIVATE_FILE)
     return into
 
 

@@ -195,6 +195,53 @@ def test_sampling_budget_and_oldest_first_eviction(target, drafters, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cap").glob("*.parquet")) == ["part-000000000005.parquet"]
 
 
+def test_capture_files_and_folders_are_private_and_old_shards_age_out(target, drafters, tmp_path, monkeypatch):
+    capture = CaptureConfig(enabled=True, dir=str(tmp_path / "user" / "cap"), rows_per_shard=1, max_rows=None,
+                            max_age_s=60)
+    verifier = make_verifier(target, drafters, capture)
+    clock = [1_000_000.0]
+    monkeypatch.setattr("taps_ray.serving.capture.time.time", lambda: clock[0])
+    for prompt in PROMPTS[:2]:
+        decode(verifier, prompt)
+        clock[0] += 45
+    folder = tmp_path / "user" / "cap"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir() if not p.name.startswith(".")} == {
+        "part-000000000000.parquet": 0o600, "part-000000000001.parquet": 0o600, MANIFEST: 0o600,
+        FEATURE_PROMPTS: 0o600}
+    decode(verifier, PROMPTS[2])  # 90 s after the first shard, 45 s after the second: the first ages out
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert list(manifest["capture"]["shards"]) == ["part-000000000001.parquet", "part-000000000002.parquet"]
+    assert manifest["capture"]["evicted_rows"] == 1 and not (folder / "part-000000000000.parquet").exists()
+    snap = snapshot(folder, tmp_path / "snap")
+    assert snap.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in snap.iterdir()} == {0o600}
+
+
+def test_eviction_names_only_existing_shards_even_if_killed_before_unlinking(target, drafters, tmp_path,
+                                                                             monkeypatch):
+    """The manifest is written before evicted shards are unlinked: a kill between the two leaves an extra
+    file, never a manifest naming a missing one (which would fail every later write and read)."""
+    capture = CaptureConfig(enabled=True, dir=str(tmp_path / "cap"), rows_per_shard=1, max_rows=1)
+    verifier = make_verifier(target, drafters, capture)
+    decode(verifier, PROMPTS[0])
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt("killed between the manifest and the unlink")
+
+    monkeypatch.setattr("pathlib.Path.unlink", killed)
+    with pytest.raises(KeyboardInterrupt):
+        decode(verifier, PROMPTS[1])
+    monkeypatch.undo()
+    manifest = json.loads((tmp_path / "cap" / MANIFEST).read_text())
+    assert list(manifest["capture"]["shards"]) == ["part-000000000001.parquet"]
+    assert all((tmp_path / "cap" / name).exists() for name in manifest["capture"]["shards"])
+    fs = open_feature_set(tmp_path / "cap", target.fingerprint.to_dict(), "captured")
+    assert fs.rows == 1
+    decode(verifier, PROMPTS[2])  # the next write goes on
+    assert json.loads((tmp_path / "cap" / MANIFEST).read_text())["capture"]["next_row_id"] == 3
+
+
 def test_a_snapshot_stays_as_it_was_while_the_server_captures_and_evicts(target, drafters, tmp_path):
     capture = CaptureConfig(enabled=True, dir=str(tmp_path / "cap"), rows_per_shard=1, max_rows=3)
     verifier = make_verifier(target, drafters, capture)
