@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--drafter {args.drafter!r} is not one of --served ({', '.join(served)})")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    capture = {"enabled": True, "dir": str(out / "capture"), "rows_per_shard": SHARD_ROWS}
+    capture = {"enabled": True, "dir": str(out / "capture"), "rows_per_shard": SHARD_ROWS, "mode": "all"}
     cfg = load_config(args.config, [
         "name=adapt-experiment", f"output_dir={out}", "target.dtype=float32",
         f"serve.drafters={json.dumps(served)}", f"serve.capture={json.dumps(capture)}",

@@ -376,7 +376,10 @@ class CaptureConfig(Strict):
     default). It stores prompts and outputs: turn it on only where that is allowed."""
 
     enabled: bool = Field(default=False, description=(
-        "write each finished request (prompt and output) as a row; stores user data, off by default"))
+        "write finished requests (prompt and output) as rows; stores user data, off by default"))
+    mode: Literal["stored", "all"] = Field(default="stored", description=(
+        "stored: only chat requests that send OpenAI's store: true are kept; all: every finished request (the "
+        "operator's choice; tell your users)"))
     dir: str | None = Field(default=None, description=(
         "the capture folder, one feature set (None: $TAPS_CACHE/capture/<app_name>)"))
     sample_rate: float = Field(default=1.0, ge=0.0, le=1.0, description=(

@@ -405,6 +405,7 @@ class Ingress:
             raw=prompt_param == "prompt", prompt_param=prompt_param,
             deadline_s=taps.draft_deadline_s if taps else None,
             request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s, logprobs=body.top_logprobs_count,
+            store=getattr(body, "store", None) is True,
         )
 
     async def _sse(self, events, body, request: DecodeRequest, chat: bool, start: float, started: asyncio.Event):

@@ -88,7 +88,8 @@ class DecodeRequest:
     token ids; ``prompt_param`` names the request field for errors. ``request_id``: the HTTP request's
     id (error bodies and log lines name it); ``expires_at``: the wall-clock time (``time.time()``) its
     ``serve.request_timeout_s`` runs out, counted from its arrival at the ingress (None: from the start
-    of decoding); ``logprobs``: alternatives per token the response reports (None: no logprobs)."""
+    of decoding); ``logprobs``: alternatives per token the response reports (None: no logprobs); ``store``: the client asked
+    that the request be kept (OpenAI's ``store``), which ``serve.capture.mode: stored`` requires."""
 
     rid: str
     prompt: list[dict] | str | list[int]
@@ -102,3 +103,4 @@ class DecodeRequest:
     request_id: str | None = None
     expires_at: float | None = None
     logprobs: int | None = None
+    store: bool = False

@@ -32,7 +32,7 @@ CHAT_UNSUPPORTED: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "verbosity": (None,), "web_search_options": (None,), "moderation": (None,), "store": (None, False),
+    "verbosity": (None,), "web_search_options": (None,), "moderation": (None,),
 }
 """Chat request fields the server does not honour -> the values it accepts for them (each means the
 field's default behaviour); any other value is a 400 naming the field."""
@@ -251,7 +251,7 @@ class ChatCompletionRequest(_Generation):
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
-    store: Any = None
+    store: bool | None = None  # OpenAI's "keep this for distillation": with serve.capture on, what is captured
 
     _check_unsupported = _unsupported(CHAT_UNSUPPORTED)
 

@@ -83,8 +83,9 @@ class Verifier:
         if self.cfg.capture.enabled:
             folder = capture_dir(self.cfg.capture, self.cfg.app_name)
             self.capture = CaptureWriter(self.cfg.capture, folder, self.target.fingerprint.to_dict())
-            log.warning("serve.capture: keeping prompts and outputs of %.0f%% of finished requests in %s",
-                        100 * self.cfg.capture.sample_rate, folder)
+            log.warning("serve.capture: keeping prompts and outputs of %.0f%% of finished requests%s in %s",
+                        100 * self.cfg.capture.sample_rate,
+                        "" if self.cfg.capture.mode == "all" else " that ask for it (store: true)", folder)
         self._init_counts()
 
     def __del__(self):
@@ -227,7 +228,8 @@ class Verifier:
         if stopped := gone():
             return stopped
         emit({"type": "start", "prompt_tokens": len(ids), "max_tokens": max_tokens})
-        capture = self.capture if self.capture is not None and self.capture.sampled() else None
+        kept = self.capture is not None and (request.store or self.cfg.capture.mode == "all")
+        capture = self.capture if kept and self.capture.sampled() else None
         session = DecodeSession(self.batched, request, emit, self.pieces if request.logprobs is not None else None,
                                 capture, self.budget(request.plan), self.cost_info())
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s

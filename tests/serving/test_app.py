@@ -55,7 +55,7 @@ def served(ray_session, embedded_target, capture_dir):
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
         "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
         "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
-        f"serve.capture={json.dumps({'enabled': True, 'dir': str(capture_dir), 'rows_per_shard': 1})}",
+        f"serve.capture={json.dumps({'enabled': True, 'dir': str(capture_dir), 'rows_per_shard': 1, 'mode': 'all'})}",
     ])
     def reference() -> dict:
         drafter = load_drafter(embedded_target, None, 0)

@@ -68,6 +68,7 @@ def make_verifier(target, drafters, capture: CaptureConfig | None, **fields) -> 
 
 def decode(verifier, prompt: list[int], strategy: str = "single", order=None, **fields) -> dict:
     events = []
+    fields.setdefault("store", True)
     request = DecodeRequest(rid=f"r{len(prompt)}-{prompt[0]}", prompt=prompt,
                             plan=resolve_plan(strategy, order, verifier.cfg), max_tokens=NEW, raw=True,
                             prompt_param="prompt", **fields)
@@ -193,6 +194,19 @@ def test_sampling_budget_and_oldest_first_eviction(target, drafters, tmp_path):
     manifest = json.loads((tmp_path / "cap" / MANIFEST).read_text())
     assert list(manifest["capture"]["shards"]) == ["part-000000000005.parquet"]
     assert sorted(p.name for p in (tmp_path / "cap").glob("*.parquet")) == ["part-000000000005.parquet"]
+
+
+def test_only_requests_that_ask_to_be_stored_are_kept_unless_the_operator_keeps_all(target, drafters, tmp_path):
+    stored = make_verifier(target, drafters, CaptureConfig(enabled=True, dir=str(tmp_path / "s"), rows_per_shard=1))
+    decode(stored, PROMPTS[0], store=False)
+    decode(stored, PROMPTS[1], store=True)
+    assert captured_requests(tmp_path / "s") == (1, 1)
+    table = pq.read_table(open_feature_set(tmp_path / "s", target.fingerprint.to_dict(), "c").shard_paths())
+    assert table.column("input_ids").to_pylist()[0][:len(PROMPTS[1])] == PROMPTS[1]
+    every = make_verifier(target, drafters, CaptureConfig(enabled=True, dir=str(tmp_path / "a"), rows_per_shard=1,
+                                                          mode="all"))
+    decode(every, PROMPTS[0], store=False)
+    assert captured_requests(tmp_path / "a") == (1, 1)
 
 
 def test_capture_files_and_folders_are_private_and_old_shards_age_out(target, drafters, tmp_path, monkeypatch):

@@ -311,7 +311,7 @@ def test_token_pieces_give_the_exact_bytes_of_byte_level_tokens():
 # -- request fields the server does not honour ------------------------------------------------------
 
 SERVED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-          "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs"}
+          "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "store"}
 IGNORED = {"user", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
            "safety_identifier"}
 """Hints that do not change the output (routing, caching, identification): accepted and ignored."""
@@ -320,7 +320,7 @@ BAD = {"logit_bias": {"50256": -100}, "presence_penalty": 0.5, "frequency_penalt
        "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
        "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
        "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
-       "web_search_options": {}, "moderation": {"input": {}}, "store": True, "echo": True, "best_of": 2,
+       "web_search_options": {}, "moderation": {"input": {}}, "echo": True, "best_of": 2,
        "suffix": "end"}
 
 
@@ -364,6 +364,6 @@ def test_bad_logprobs_and_tool_messages_are_400s_naming_the_field(call, path, ex
 
 def test_ignored_hints_are_accepted(call):
     hints = {"user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "k",
-             "safety_identifier": "s", "store": False}
+             "safety_identifier": "s", "store": True}
     status, _, data = call(CHAT, body_for(CHAT, False, False, None, max_tokens=2, **hints))
     assert status == 200, data

@@ -42,7 +42,7 @@ def setup(tmp_path_factory):
         d2t = torch.tensor(sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:48].tolist()))
         DraftHead(target.config, draft_to_target=d2t, seed=5).save(
             source, target.fingerprint, extra={"algorithm": "eagle2", "data": {"math": {}, "chat": {}}})
-        capture = CaptureConfig(enabled=True, dir=str(tmp / "traffic"), rows_per_shard=8)
+        capture = CaptureConfig(enabled=True, dir=str(tmp / "traffic"), rows_per_shard=8, mode="all")
         verifier = make_verifier(target, {"a": oracle_drafter(target)}, capture)
         for prompt in captured_prompts():
             decode(verifier, prompt)
@@ -200,7 +200,7 @@ def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_ga
     loop = ["adapt.every=20", "adapt.rounds=1", "adapt.poll_s=0.01", "train.epochs=3", "train.lr=3e-3"]
     cfg = load_config(path, [*loop, "adapt.margin=100"])
     verifier = make_verifier(target, {"a": oracle_drafter(target)}, CaptureConfig(
-        enabled=True, dir=str(traffic), rows_per_shard=10))
+        enabled=True, dir=str(traffic), rows_per_shard=10, mode="all"))
     served = InProcessDrafter(verifier, target, str(source))
     assert captured_requests(traffic) == (CAPTURED, CAPTURED)
 
