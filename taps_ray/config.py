@@ -483,6 +483,9 @@ class ServeConfig(Strict):
         "clients may only shorten it)"))
     capture: CaptureConfig = Field(default_factory=CaptureConfig, description=(
         "keep finished requests as training rows (stores prompts and outputs; off by default)"))
+    show_acceptance: bool | None = Field(default=None, description=(
+        "per-step acceptance figures (taps.tau, accept_lengths, step counts, routes) in responses; None: shown "
+        "unless capture is on (drafters adapted on captured traffic would tell one client about others')"))
 
     @field_validator("api_keys")
     @classmethod
@@ -490,6 +493,11 @@ class ServeConfig(Strict):
         if any(not k or not k.isascii() or not k.isprintable() or any(c.isspace() for c in k) for k in value):
             raise ValueError("serve.api_keys: each key must be non-empty printable ASCII without spaces")
         return value
+
+    @property
+    def acceptance_shown(self) -> bool:
+        """Whether responses carry the per-step acceptance figures (``show_acceptance``, resolved)."""
+        return not self.capture.enabled if self.show_acceptance is None else self.show_acceptance
 
     @property
     def draft_deadline_cap_s(self) -> float:

@@ -49,6 +49,7 @@ from taps_ray.serving.protocol import (
     RequestError,
     error_body,
     internal_error_body,
+    withhold_acceptance,
 )
 
 log = logging.getLogger(__name__)
@@ -332,8 +333,13 @@ class Ingress:
         latency = time.perf_counter() - start
         self.metrics.finished(done["finish_reason"], done["usage"], done["taps"], latency, ttft or latency)
         make = protocol.chat_response if chat else protocol.completion_response
-        return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"], done["taps"],
-                    logprobs)
+        return make(request.rid, self.model_name, done["text"], done["finish_reason"], done["usage"],
+                    self._client_taps(done["taps"]), logprobs)
+
+    def _client_taps(self, taps: dict) -> dict:
+        """The response's ``taps`` block as the client sees it: without the per-step acceptance figures
+        unless :attr:`~taps_ray.config.ServeConfig.acceptance_shown` (metrics always count them)."""
+        return taps if self.cfg.acceptance_shown else withhold_acceptance(taps)
 
     def _busy(self, request: DecodeRequest, why: str) -> JSONResponse:
         """The at-once 429 (``server_busy``, ``Retry-After``) of a request refused for load; ``why`` goes to the log."""
@@ -439,7 +445,7 @@ class Ingress:
                                               ttft if ttft is not None else latency)
                         content = {"content": event["delta"]} if chat else event["delta"]
                         yield sse_line(chunk(rid, self.model_name, created, content, event["finish_reason"],
-                                             include_usage=usage_chunks, taps=event["taps"],
+                                             include_usage=usage_chunks, taps=self._client_taps(event["taps"]),
                                              logprobs=event.get("logprobs")))
                         if usage_chunks:
                             yield sse_line(chunk(rid, self.model_name, created, None, usage=event["usage"],

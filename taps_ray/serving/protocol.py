@@ -431,3 +431,16 @@ def completion_chunk(rid: str, model: str, created: int, text: str | None, finis
     choice = None if text is None else {"text": text, "logprobs": completion_logprobs(logprobs),
                                         "finish_reason": finish}
     return _stream_chunk(rid, model, created, "text_completion", choice, usage, include_usage, taps)
+
+
+ACCEPTANCE_FIELDS = ("steps", "tau", "accept_lengths", "draft_tokens", "accepted_tokens", "drafted_steps",
+                     "plain_steps", "shrunk_steps", "shed_draft_tokens", "route_decisions", "route_per_step",
+                     "draft_s", "verify_s", "drafter_compute_s")
+"""The ``taps`` fields that tell how well the drafters predicted this text (acceptance per step, and what
+it can be read back from: step counts, routes, timings split by stage)."""
+
+
+def withhold_acceptance(taps: dict) -> dict:
+    """``taps`` without :data:`ACCEPTANCE_FIELDS`, marked ``"acceptance": "withheld"``: where drafters adapt
+    to captured traffic, those figures would tell a client what the drafters learned from other users."""
+    return {**{k: v for k, v in taps.items() if k not in ACCEPTANCE_FIELDS}, "acceptance": "withheld"}

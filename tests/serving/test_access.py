@@ -242,6 +242,25 @@ def test_headers_that_would_let_a_client_hold_a_slot_are_refused(serve_app, head
     assert call("POST", CHAT, chat())[0] == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on(serve_app, stream):
+    """Drafters adapted on captured traffic would tell one client, through tau and accept lengths, what they
+    learned from others': withheld by default with capture on, shown when the operator turns them on."""
+    def taps_of(call) -> dict:
+        status, _, data = call("POST", CHAT, chat(stream=stream))
+        assert status == 200, data
+        if not stream:
+            return data["taps"]
+        events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: {")]
+        return next(e["taps"] for e in events if "taps" in e)
+
+    assert taps_of(serve_app())["accept_lengths"] == [1]
+    withheld = taps_of(serve_app(capture={"enabled": True}))
+    assert withheld == {"strategy": "single", "skipped": {}, "acceptance": "withheld"}
+    assert taps_of(serve_app(capture={"enabled": True}, show_acceptance=True))["tau"] == 1.0
+    assert "tau" not in taps_of(serve_app(show_acceptance=False))
+
+
 # -- body size ------------------------------------------------------------------------------------
 
 def test_an_oversized_body_is_413_with_content_length(serve_app):

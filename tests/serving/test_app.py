@@ -56,6 +56,7 @@ def served(ray_session, embedded_target, capture_dir):
         "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
         "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
         f"serve.capture={json.dumps({'enabled': True, 'dir': str(capture_dir), 'rows_per_shard': 1, 'mode': 'all'})}",
+        "serve.show_acceptance=true",  # the tests read the acceptance figures, which capture would withhold
     ])
     def reference() -> dict:
         drafter = load_drafter(embedded_target, None, 0)
