@@ -475,6 +475,8 @@ class ServeConfig(Strict):
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, description="request-body cap (413 beyond it)")
     max_messages: int = Field(default=256, ge=1, description="messages per chat request")
     max_prompt_chars: int = Field(default=200_000, ge=1, description="characters over all messages / the prompt")
+    max_prompt_tokens: int = Field(default=32_768, ge=1, description=(
+        "token ids of a completions prompt given as ids, refused (400) at the ingress beyond it"))
     max_stop_sequences: int = Field(default=8, ge=0, description="stop strings per request")
     max_stop_chars: int = Field(default=256, ge=1, description="characters per stop string")
     max_tokens_cap: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")

@@ -313,7 +313,8 @@ class CompletionRequest(_Generation):
 
 def check_limits(body: ChatCompletionRequest | CompletionRequest, cfg: ServeConfig) -> None:
     """:class:`RequestError` (400, naming the field, the value and the limit) when ``body`` exceeds the
-    server's limits: messages, prompt characters, stop strings, ``max_tokens`` and ``taps.draft_deadline_s``."""
+    server's limits: messages, prompt characters (token ids of a ``prompt`` given as ids), stop strings,
+    ``max_tokens`` and ``taps.draft_deadline_s``."""
     if isinstance(body, ChatCompletionRequest):
         if len(body.messages) > cfg.max_messages:
             raise RequestError(f"{len(body.messages)} messages; at most {cfg.max_messages} are accepted", "messages",
@@ -321,6 +322,9 @@ def check_limits(body: ChatCompletionRequest | CompletionRequest, cfg: ServeConf
         chars, param = sum(len(m.text()) + len(m.name or "") for m in body.messages), "messages"
     else:
         chars, param = (len(body.prompt) if isinstance(body.prompt, str) else 0), "prompt"
+        if not isinstance(body.prompt, str) and len(body.prompt) > cfg.max_prompt_tokens:
+            raise RequestError(f"{len(body.prompt)} token ids; at most {cfg.max_prompt_tokens} are accepted", "prompt",
+                               code="prompt_too_long")
     if chars > cfg.max_prompt_chars:
         raise RequestError(f"{chars} characters; at most {cfg.max_prompt_chars} are accepted", param,
                            code="prompt_too_long")

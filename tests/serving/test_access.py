@@ -242,6 +242,14 @@ def test_headers_that_would_let_a_client_hold_a_slot_are_refused(serve_app, head
     assert call("POST", CHAT, chat())[0] == 200
 
 
+def test_a_token_id_prompt_counts_against_a_token_limit_at_the_ingress(serve_app):
+    call = serve_app(max_prompt_tokens=64)
+    body = {"model": MODEL, "prompt": list(range(2, 70)), "max_tokens": 2}
+    error = assert_error(call("POST", "/v1/completions", body), 400, "prompt")
+    assert "68 token ids; at most 64" in error["message"] and not call.verifier.requests
+    assert call("POST", "/v1/completions", {**body, "prompt": list(range(2, 66))})[0] == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on(serve_app, stream):
     """Drafters adapted on captured traffic would tell one client, through tau and accept lengths, what they
