@@ -149,6 +149,33 @@ def readiness(running: dict[str, int], drafters: list[str]) -> dict:
     return {"status": status, "verifier": "up" if verifier else "down", "drafters": up}
 
 
+class SharedFill:
+    """A value reused for ``ttl`` seconds, then filled again with one fill in flight: requests that arrive
+    while it is being filled await that fill instead of starting their own (a burst of ``/ready``,
+    ``/v1/models`` or ``/metrics`` calls asks the controller and the drafters once)."""
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self._value: tuple[float, object] | None = None
+        self._filling: asyncio.Future | None = None
+
+    async def get(self, fill):
+        """The value, from ``fill()`` (a coroutine function) when it is older than ``ttl`` or missing."""
+        if self._value is not None and time.monotonic() - self._value[0] <= self.ttl:
+            return self._value[1]
+        if self._filling is None:
+            self._filling = asyncio.ensure_future(self._fill(fill))
+        return await asyncio.shield(self._filling)
+
+    async def _fill(self, fill):
+        try:
+            value = await fill()
+            self._value = (time.monotonic(), value)
+            return value
+        finally:
+            self._filling = None
+
+
 @serve.ingress(app)
 class Ingress:
     """Ray Serve deployment body of the HTTP API (see :mod:`taps_ray.serving.app`)."""
@@ -167,8 +194,8 @@ class Ingress:
         self.aliases = {model_name, *aliases}
         self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.metrics_names))
         self.created = protocol.now()
-        self._ready: tuple[float, dict] | None = None
-        self._drafters: tuple[float, dict[str, list[dict]]] | None = None
+        self._ready = SharedFill(READY_CACHE_S)
+        self._drafters = SharedFill(DRAFTERS_CACHE_S)
         self._controller = None
         self._cost_asked = -math.inf
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
@@ -222,10 +249,7 @@ class Ingress:
         """Readiness: whether the verifier and each drafter have a running replica (from the Serve
         controller, not through their request queues). 503 without a verifier; ``degraded`` (200) when
         a drafter is down, since the verifier then decodes without it and the output is unchanged."""
-        now = time.monotonic()
-        if self._ready is None or now - self._ready[0] > READY_CACHE_S:
-            self._ready = (now, await self._readiness())
-        report = self._ready[1]
+        report = await self._ready.get(self._readiness)
         if report["status"] == "not_ready":
             return JSONResponse(report, status_code=503, headers=self._retry_after)
         return report
@@ -251,15 +275,15 @@ class Ingress:
 
     async def drafter_replicas(self) -> dict[str, list[dict]]:
         """Drafter name -> its replicas' ``stats`` (``[]`` for a drafter that does not answer within
-        :data:`READY_TIMEOUT_S`); reused for :data:`DRAFTERS_CACHE_S`."""
-        now = time.monotonic()
-        if self._drafters is None or now - self._drafters[0] > DRAFTERS_CACHE_S:
-            app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
-            names = list(self.cfg.drafters)
-            replies = await asyncio.gather(*(self._drafter_stats(app_name, n) for n in names))
-            self._drafters = (now, dict(zip(names, replies)))
-            self.metrics.serving_versions({n: version_counts(stats) for n, stats in self._drafters[1].items()})
-        return self._drafters[1]
+        :data:`READY_TIMEOUT_S`); reused for :data:`DRAFTERS_CACHE_S`, one fill at a time."""
+        return await self._drafters.get(self._ask_drafters)
+
+    async def _ask_drafters(self) -> dict[str, list[dict]]:
+        app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
+        names = list(self.cfg.drafters)
+        replies = dict(zip(names, await asyncio.gather(*(self._drafter_stats(app_name, n) for n in names))))
+        self.metrics.serving_versions({n: version_counts(stats) for n, stats in replies.items()})
+        return replies
 
     async def _drafter_stats(self, app_name: str, name: str) -> list[dict]:
         try:

@@ -185,6 +185,32 @@ def test_health_is_open_without_a_key(serve_app):
                                       {"status": "ok"})
 
 
+def test_a_burst_of_probes_asks_the_controller_and_the_drafters_once(serve_app, monkeypatch):
+    serve_app()  # configures the in-process ingress
+    asked = {"controller": 0, "drafters": 0}
+
+    async def running(self):
+        asked["controller"] += 1
+        await asyncio.sleep(0.05)
+        return {"Verifier": 1, "Drafter_a": 1, "Drafter_b": 1, "Drafter_c": 1}
+
+    async def stats(self, app_name, name):
+        asked["drafters"] += 1
+        await asyncio.sleep(0.05)
+        return []
+
+    monkeypatch.setattr(ingress.Ingress.__mro__[1], "running_replicas", running)
+    monkeypatch.setattr(ingress.Ingress.__mro__[1], "_drafter_stats", stats)
+
+    async def burst(path: str) -> list:
+        return await asyncio.gather(*(_asgi(ingress.app, "GET", path, {"host": "testserver"}, [b""])
+                                      for _ in range(12)))
+
+    assert {r[0] for r in asyncio.run(burst("/ready"))} == {200}
+    assert {r[0] for r in asyncio.run(burst("/v1/models"))} == {200}
+    assert asked == {"controller": 1, "drafters": 3}, asked  # one fill each, three drafters in it
+
+
 def test_health_does_not_ask_the_verifier_and_ready_leaks_nothing(serve_app, monkeypatch):
     """Liveness is the ingress's own answer (a busy or dead verifier does not make it fail); readiness
     asks the controller, and a controller that fails is a 503 whose body names no actor, IP or path."""
