@@ -473,6 +473,8 @@ class ServeConfig(Strict):
     allowed_hosts: list[str] = Field(default_factory=list, description=(
         "accepted Host header names (*.example.com wildcards; empty: any)"))
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, description="request-body cap (413 beyond it)")
+    body_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False, description=(
+        "seconds to receive a whole request body once its headers are in (408 beyond: trickled bodies)"))
     max_messages: int = Field(default=256, ge=1, description="messages per chat request")
     max_prompt_chars: int = Field(default=200_000, ge=1, description="characters over all messages / the prompt")
     max_prompt_tokens: int = Field(default=32_768, ge=1, description=(

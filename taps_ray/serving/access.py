@@ -1,10 +1,12 @@
 """Checks every HTTP request passes before routing, as a pure ASGI middleware (no Ray): the Host
 allow-list (400), Serve's proxy-control headers (400, :data:`PROXY_CONTROL_HEADERS`), the API key (401, every route but ``/health`` and ``/ready``), the docs switch (404) and the
-body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too).
+body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too) and a total
+deadline on reading the body (408: a client trickling its body cannot hold an ingress slot).
 Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_body`)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -63,11 +65,12 @@ class AccessPolicy:
     allowed_hosts: tuple[str, ...] = ()
     docs: bool = False
     max_body_bytes: int = 2 * 1024 * 1024
+    body_timeout_s: float = 30.0
 
     @classmethod
     def from_config(cls, cfg: ServeConfig, api_keys: Iterable[str]) -> AccessPolicy:
         return cls(tuple(k.encode() for k in api_keys), tuple(h.lower() for h in cfg.allowed_hosts), cfg.docs,
-                   cfg.max_body_bytes)
+                   cfg.max_body_bytes, cfg.body_timeout_s)
 
     def key_ok(self, token: bytes) -> bool:
         """Constant-time comparison against every key (no early exit)."""
@@ -123,10 +126,14 @@ class AccessGuard:
         reply = self._refuse(scope, policy)
         if reply is None:
             try:
-                receive = await self._buffer(scope, receive, policy.max_body_bytes)
+                receive = await asyncio.wait_for(self._buffer(scope, receive, policy.max_body_bytes),
+                                                 policy.body_timeout_s)
             except BodyTooLarge:
                 reply = _error(413, f"the request body exceeds the limit of {policy.max_body_bytes} bytes", "body",
                                "request_too_large")
+            except TimeoutError:
+                reply = _error(408, f"the request body was not received within {policy.body_timeout_s:g} s", "body",
+                               "request_timeout", headers={"Connection": "close"})
         if reply is not None:
             await reply(scope, receive, send)
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -103,12 +104,13 @@ def serve_app(monkeypatch):
     return make
 
 
-async def _asgi(app, method: str, path: str, headers: dict, chunks: list[bytes]):
+async def _asgi(app, method: str, path: str, headers: dict, chunks: list[bytes], finished: bool = True):
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
              "raw_path": path.encode(), "root_path": "", "scheme": "http", "query_string": b"",
              "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()],
              "client": ("127.0.0.1", 5000), "server": ("testserver", 80)}
-    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1 or not finished}
+               for i, c in enumerate(chunks)]  # not finished: the client stops sending mid-body
     hang = asyncio.Event()
     start, body = {}, []
 
@@ -296,6 +298,18 @@ def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on(serve
 
 
 # -- body size ------------------------------------------------------------------------------------
+
+def test_a_body_not_received_in_time_is_408_and_decodes_nothing(serve_app):
+    """A client that trickles (here: stops sending mid-body) cannot hold an ingress slot past body_timeout_s."""
+    call = serve_app(body_timeout_s=0.2)
+    started = time.monotonic()
+    result = asyncio.run(_asgi(ingress.app, "POST", CHAT, {"host": "testserver", "content-type": "application/json"},
+                               [b'{"model": "', b"smol"], finished=False))
+    assert time.monotonic() - started < 5
+    assert_error(result, 408, "body")
+    assert result[1]["connection"] == "close" and not call.verifier.requests
+    assert call("POST", CHAT, chat())[0] == 200
+
 
 def test_an_oversized_body_is_413_with_content_length(serve_app):
     call = serve_app(max_body_bytes=4096)
