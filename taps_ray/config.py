@@ -449,6 +449,9 @@ class ServeConfig(Strict):
         "a request whose share of batch_max_tokens is smaller decodes its step plainly, without drafting"))
     batch_wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
         "how long a step waits for the other decoding requests' steps to join its forward"))
+    max_requests_per_key: int | None = Field(default=None, ge=1, description=(
+        "requests one API key may have admitted at once per ingress replica, 429 beyond (None: with several keys, "
+        "every admitted slot but one, so no key holds them all)"))
     max_queued_requests: int = Field(default=8, ge=1, description=(
         "requests waiting for a slot, per ingress replica (its admission and Serve's max_queued_requests); "
         "beyond it a 429"))

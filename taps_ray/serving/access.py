@@ -7,6 +7,7 @@ Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +23,8 @@ ENV_KEYS = "TAPS_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready"})
 """Probe routes: liveness and readiness answer without a key (they say nothing but up or down)."""
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+KEY_STATE = "taps_key"
+"""The request-scope state entry naming the API key a request authenticated with (its fingerprint)."""
 PROXY_CONTROL_HEADERS = ("x-request-disconnect-disabled", "x-request-timeout-seconds")
 """Headers through which Serve's HTTP proxy lets a client keep a request running after it hangs up, or set
 its own timeout: refused (400), so that no client can hold a decoding slot past the server's limits."""
@@ -39,6 +42,16 @@ def resolve_api_keys(configured: Iterable[str], environ: Mapping[str, str] = os.
                              f"entries, {parts.count('')} blank): give non-empty keys, or unset it")
         configured += parts
     return list(dict.fromkeys(configured))
+
+
+def key_fingerprint(key: bytes) -> str:
+    """A name for an API key that logs and metrics may show: ``key-`` and 8 hex digits of its SHA-256."""
+    return "key-" + hashlib.sha256(key).hexdigest()[:8]
+
+
+def request_key(scope) -> str | None:
+    """The fingerprint of the API key the request authenticated with (None: the server has no keys)."""
+    return (scope.get("state") or {}).get(KEY_STATE)
 
 
 def is_loopback(host: str) -> bool:
@@ -74,10 +87,15 @@ class AccessPolicy:
 
     def key_ok(self, token: bytes) -> bool:
         """Constant-time comparison against every key (no early exit)."""
-        ok = False
+        return self.matching_key(token) is not None
+
+    def matching_key(self, token: bytes) -> bytes | None:
+        """The configured key ``token`` equals (compared with every key, no early exit), or None."""
+        found = None
         for key in self.api_keys:
-            ok |= hmac.compare_digest(token, key)
-        return ok
+            if hmac.compare_digest(token, key):
+                found = key
+        return found
 
     def host_ok(self, host: str | None) -> bool:
         if not self.allowed_hosts:
@@ -159,8 +177,10 @@ class AccessGuard:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 return _unauthorized("Authorization: missing API key; send the header 'Authorization: Bearer <key>'")
-            if not policy.key_ok(token.strip().encode("latin-1")):
+            key = policy.matching_key(token.strip().encode("latin-1"))
+            if key is None:
                 return _unauthorized("Authorization: incorrect API key provided")
+            scope.setdefault("state", {})[KEY_STATE] = key_fingerprint(key)
         if not policy.docs and path in DOC_PATHS:
             return _error(404, f"no route {path}", None, "not_found", "not_found_error")
         length = headers.get("content-length")

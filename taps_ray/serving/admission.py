@@ -26,18 +26,25 @@ def cancel_call(events) -> None:
 
 class Admission:
     """The requests this ingress replica has passed to the verifiers and not yet seen end: at most
-    ``capacity``. Used from the replica's event loop only, so a plain counter is exact."""
+    ``capacity``, and at most ``per_key`` of them under one API key (None: no per-key bound), so one key
+    cannot hold every slot. Used from the replica's event loop only, so plain counters are exact."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, per_key: int | None = None):
+        self.capacity, self.per_key = capacity, per_key
         self.held = 0
+        self.held_by: dict[str, int] = {}
 
-    def admit(self) -> Callable[[], None] | None:
-        """A release function for one more request, or None when ``capacity`` are held. Calling the
-        release more than once releases once."""
+    def admit(self, key: str | None = None) -> Callable[[], None] | str:
+        """A release function for one more request under ``key`` (None: no key), or why not: ``"capacity"``
+        when ``capacity`` are held, ``"key"`` when ``key`` holds ``per_key``. Calling the release more than
+        once releases once."""
         if self.held >= self.capacity:
-            return None
+            return "capacity"
+        if key is not None and self.per_key is not None and self.held_by.get(key, 0) >= self.per_key:
+            return "key"
         self.held += 1
+        if key is not None:
+            self.held_by[key] = self.held_by.get(key, 0) + 1
         released = False
 
         def release() -> None:
@@ -45,6 +52,10 @@ class Admission:
             if not released:
                 released = True
                 self.held -= 1
+                if key is not None:
+                    self.held_by[key] -= 1
+                    if not self.held_by[key]:
+                        del self.held_by[key]
 
         return release
 

@@ -149,6 +149,15 @@ def readiness(running: dict[str, int], drafters: list[str]) -> dict:
     return {"status": status, "verifier": "up" if verifier else "down", "drafters": up}
 
 
+def per_key_limit(cfg: ServeConfig, keys: int, capacity: int) -> int | None:
+    """Requests one API key may hold in an ingress replica: ``serve.max_requests_per_key``, or by default,
+    with several keys, every admitted slot but one (so no key holds them all); None with fewer than two
+    keys and no setting."""
+    if cfg.max_requests_per_key is not None:
+        return cfg.max_requests_per_key
+    return max(1, capacity - 1) if keys > 1 else None
+
+
 class SharedFill:
     """A value reused for ``ttl`` seconds, then filled again with one fill in flight: requests that arrive
     while it is being filled await that fill instead of starting their own (a burst of ``/ready``,
@@ -199,8 +208,8 @@ class Ingress:
         self._controller = None
         self._cost_asked = -math.inf
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
-        self.admission = Admission(self.cfg.verifier_replicas * self.cfg.max_concurrent_requests
-                                   + self.cfg.max_queued_requests)
+        capacity = self.cfg.verifier_replicas * self.cfg.max_concurrent_requests + self.cfg.max_queued_requests
+        self.admission = Admission(capacity, per_key_limit(self.cfg, len(keys), capacity))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, http: Request):
@@ -302,8 +311,14 @@ class Ingress:
     async def _serve(self, http: Request, body, prompt, prompt_param: str, chat: bool):
         start = time.perf_counter()
         request = self._request(body, prompt, prompt_param, errors.request_id(http.scope), errors.arrival(http.scope))
-        release = self.admission.admit()
-        if release is None:
+        key = access.request_key(http.scope)
+        release = self.admission.admit(key)
+        if release == "key":
+            self.metrics.key_refusals.labels(self.model_name, key).inc()
+            return self._busy(request, f"key {key} holds {self.admission.per_key} slots",
+                              f"this API key already has {self.admission.per_key} requests in progress, its share "
+                              f"of this server")
+        if release == "capacity":
             return self._busy(request, f"ingress admission full ({self.admission.capacity})")
         try:
             events = self.verifier.options(stream=True).generate.remote(request)
@@ -365,13 +380,14 @@ class Ingress:
         unless :attr:`~taps_ray.config.ServeConfig.acceptance_shown` (metrics always count them)."""
         return taps if self.cfg.acceptance_shown else withhold_acceptance(taps)
 
-    def _busy(self, request: DecodeRequest, why: str) -> JSONResponse:
-        """The at-once 429 (``server_busy``, ``Retry-After``) of a request refused for load; ``why`` goes to the log."""
+    def _busy(self, request: DecodeRequest, why: str,
+              told: str = "the server is at capacity (every decoding slot is busy and its queue is full)") -> JSONResponse:
+        """The at-once 429 (``server_busy``, ``Retry-After``) of a request refused for load; ``why`` goes to the
+        log, ``told`` to the client."""
         log.info("request %s shed: %s", request.request_id, why)
         self.metrics.failed(429)
         return JSONResponse(error_body(
-            f"the server is at capacity (every decoding slot is busy and its queue is full); retry after "
-            f"{self._retry_after['Retry-After']} s", "rate_limit_error", None,
+            f"{told}; retry after {self._retry_after['Retry-After']} s", "rate_limit_error", None,
             "server_busy", request.request_id), status_code=429, headers=self._retry_after)
 
     async def _first_event(self, events, request: DecodeRequest) -> JSONResponse | None:

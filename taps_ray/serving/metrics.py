@@ -77,6 +77,8 @@ SERIES = {s.name: s for s in (
            attribute="running"),
     Series("gauge", "taps_num_requests_waiting", "Requests waiting for a verifier slot",
            vllm="vllm:num_requests_waiting", attribute="waiting"),
+    Series("counter", "taps_key_refusals", "Requests refused (429) because their API key held its share of the "
+           "slots (serve.max_requests_per_key), by key fingerprint", ("key",), attribute="key_refusals"),
     Series("counter", "taps_request_aborted", "Requests given up before they finished, by reason (disconnect: the "
            "client hung up; timeout: serve.request_timeout_s ran out in the queue)", ("reason",),
            attribute="aborted"),

@@ -187,6 +187,22 @@ def test_health_is_open_without_a_key(serve_app):
                                       {"status": "ok"})
 
 
+def test_a_key_holding_its_share_of_the_slots_is_refused_and_counted_per_key(serve_app):
+    other = "sk-other-456"
+    call = serve_app(keys=[KEY, other], max_requests_per_key=1)
+    instance = ray.serve.get_replica_context().servable_object
+    mine = access.key_fingerprint(KEY.encode())
+    assert ingress.per_key_limit(ServeConfig(), 2, 16) == 15 and ingress.per_key_limit(ServeConfig(), 1, 16) is None
+    hold = instance.admission.admit(mine)  # a request of this key still decoding
+    error = assert_error(call("POST", CHAT, chat(), {"authorization": f"Bearer {KEY}"}), 429, None)
+    assert "this API key already has 1 requests in progress" in error["message"] and KEY not in json.dumps(error)
+    assert call("POST", CHAT, chat(), {"authorization": f"Bearer {other}"})[0] == 200
+    page = call("GET", "/metrics", None, {"authorization": f"Bearer {other}"})[2].decode()
+    assert f'taps_key_refusals_total{{key="{mine}",model_name="{MODEL}"}} 1.0' in page
+    hold()
+    assert call("POST", CHAT, chat(), {"authorization": f"Bearer {KEY}"})[0] == 200
+
+
 def test_a_burst_of_probes_asks_the_controller_and_the_drafters_once(serve_app, monkeypatch):
     serve_app()  # configures the in-process ingress
     asked = {"controller": 0, "drafters": 0}

@@ -23,16 +23,27 @@ class FakeEvents:
 def test_admission_admits_exactly_capacity_and_each_release_counts_once():
     gate = Admission(3)
     releases = [gate.admit() for _ in range(3)]
-    assert all(releases) and gate.held == 3
-    assert gate.admit() is None and gate.held == 3
+    assert all(callable(r) for r in releases) and gate.held == 3
+    assert gate.admit() == "capacity" and gate.held == 3
     releases[0]()
     releases[0]()
     assert gate.held == 2
     again = gate.admit()
-    assert again is not None and gate.held == 3 and gate.admit() is None
+    assert callable(again) and gate.held == 3 and gate.admit() == "capacity"
     for release in (*releases[1:], again):
         release()
     assert gate.held == 0
+
+
+def test_one_key_cannot_hold_every_slot():
+    gate = Admission(4, per_key=2)
+    mine = [gate.admit("key-a") for _ in range(2)]
+    assert all(callable(r) for r in mine) and gate.admit("key-a") == "key"
+    theirs = [gate.admit("key-b"), gate.admit()]
+    assert all(callable(r) for r in theirs) and gate.held == 4 and gate.admit("key-c") == "capacity"
+    mine[0]()
+    mine[0]()
+    assert gate.held_by == {"key-a": 1, "key-b": 1} and callable(gate.admit("key-a"))
 
 
 async def _serve_stream(response: VerifierStream, disconnect_first: bool) -> list[dict]:
