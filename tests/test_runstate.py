@@ -179,6 +179,20 @@ def test_taps_average_refuses_to_replace_a_folder_that_is_not_a_drafter(tmp_path
     assert (precious / "notes.txt").read_text() == "keep me"
 
 
+def test_taps_average_refuses_an_out_folder_that_is_one_of_its_inputs(tmp_path, capsys, monkeypatch):
+    """Averaging into an input would replace it and drop its trained-prompt list (the contamination guard)."""
+    from taps_ray import cli
+    from taps_ray.models.target import TargetModel
+
+    monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("loaded the target for a refused --out"))
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for out in ("a", str(tmp_path / "a"), "./a/"):
+        code = cli.main(["average", str(REPO / "configs" / "demo.yaml"), "--drafter", "a", "--drafter",
+                         "release:math", "--out", out])
+        assert code == 2 and "is one of the --drafter inputs" in capsys.readouterr().err
+
+
 def test_drafter_save_refuses_a_foreign_folder(tmp_path, tiny_target):
     from taps_ray.models.drafter import DrafterSaveError, is_drafter_checkpoint
     from taps_ray.spec.decoder import load_drafter

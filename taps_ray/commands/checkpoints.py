@@ -19,8 +19,10 @@ def add_average(parser: argparse.ArgumentParser) -> None:
 def run_average(args: argparse.Namespace) -> int:
     from taps_ray.data.contamination import write_averaged
     from taps_ray.models.drafter import average_drafters, is_drafter_checkpoint
+    from taps_ray.models.release import resolve_drafter_dir
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.compose import averaging_weights
+    from taps_ray.spec.decoder import random_drafter_seed
     from taps_ray.spec.strategy import StrategySpec
 
     if len(args.drafter) < 2:
@@ -35,6 +37,10 @@ def run_average(args: argparse.Namespace) -> int:
         raise UserError(f"--weights must be comma-separated numbers, got {args.weights!r}") from None
     weights = averaging_weights(StrategySpec("averaged", alpha=args.alpha), len(args.drafter), given)
     out = Path(args.out)
+    inputs = [Path(resolve_drafter_dir(d)).resolve() for d in args.drafter if random_drafter_seed(d) is None]
+    if out.resolve() in inputs:
+        raise UserError(f"--out {out} is one of the --drafter inputs; averaging into it would replace that drafter "
+                        "and its trained-prompt list (the contamination guard): choose another folder")
     if out.exists() and not is_drafter_checkpoint(out) and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not a drafter checkpoint; refusing to replace it (choose "
                         "another folder)")
