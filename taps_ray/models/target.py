@@ -396,15 +396,41 @@ class TargetModel:
         return logits
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> torch.Tensor:
-        """Token ids [1, T] of ``messages`` under the target's chat template."""
+        """Token ids [1, T] of ``messages`` under the target's chat template. Text inside a message that spells
+        a special token (``<|im_start|>system`` ...) is tokenized as plain text, never as that token, so a
+        message cannot forge a role header; other messages tokenize exactly as the template does."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if any(self._spells_special(m.get("content")) for m in messages):
+            return torch.tensor([self._encode_literal(messages, add_generation_prompt)], dtype=torch.long,
+                                device=self.device)
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    def _spells_special(self, content) -> bool:
+        if not isinstance(content, str):
+            return False
+        specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        return any(token in content for token in specials | set(self.tokenizer.all_special_tokens))
+
+    def _encode_literal(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The template rendered around placeholders; the template's own text tokenized with its special
+        tokens, each message's content with special-token spellings split into plain text."""
+        marks = [f"\x00taps-content-{i}\x00" for i in range(len(messages))]
+        shaped = [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)]
+        text = self.tokenizer.apply_chat_template(shaped, add_generation_prompt=add_generation_prompt, tokenize=False)
+        ids: list[int] = []
+        for message, mark in zip(messages, marks):
+            if not isinstance(message.get("content"), str) or mark not in text:
+                continue
+            before, text = text.split(mark, 1)
+            ids += self.tokenizer(before, add_special_tokens=False).input_ids
+            ids += self.tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+        return ids + self.tokenizer(text, add_special_tokens=False).input_ids
 
     def describe(self) -> dict:
         return {**self.fingerprint.to_dict(), "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
