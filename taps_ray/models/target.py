@@ -414,8 +414,10 @@ class TargetModel:
     def _spells_special(self, content) -> bool:
         if not isinstance(content, str):
             return False
-        specials = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
-        return any(token in content for token in specials | set(self.tokenizer.all_special_tokens))
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        specials = {t.content for t in added.values() if getattr(t, "special", False)}
+        specials |= set(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        return any(token and token in content for token in specials)
 
     def _encode_literal(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The template rendered around placeholders; the template's own text tokenized with its special
