@@ -12,6 +12,8 @@ Shapes: ``N`` output features, ``K`` input features, ``G = K / GROUP`` groups pe
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,25 +86,83 @@ def read_gguf_q4_1(path: str | Path, config) -> dict[str, Int4Weight]:
     (``model.layers.{i}.self_attn.q_proj.weight`` ...); tensors in other GGUF types are left out (the caller
     quantizes those from the dense weights). ``config``: the target's HF text config (Llama q/k rows are
     reordered as transformers' loader reorders the dense ones)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch, tensors = gguf_tensor_index(path)
+    data = np.memmap(path, mode="r")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     out: dict[str, Int4Weight] = {}
-    for tensor in reader.tensors:
-        parts = tensor.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_PROJECTIONS:
+    for name, (kind, dims, offset) in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_PROJECTIONS or kind != GGML_Q4_1:
             continue
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
-            continue
-        cols, rows = (int(x) for x in tensor.shape)
-        weight = _q4_1_blocks(tensor.data, rows, cols)
+        cols, rows = dims
+        size = rows * cols // GROUP * Q4_1_BLOCK_BYTES
+        weight = _q4_1_blocks(data[offset:offset + size], rows, cols)
         if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
             weight = _unpermute_rope_rows(weight, heads if parts[2] == "attn_q" else kv_heads)
         out[f"model.layers.{parts[1]}.{LAYER_PROJECTIONS[parts[2]]}.weight"] = weight
     return out
+
+
+GGML_Q4_1 = 3
+GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF metadata value type -> bytes (8: string and 9: array are read apart)."""
+
+
+def gguf_tensor_index(path: str | Path) -> tuple[str, dict[str, tuple[int, tuple[int, ...], int]]]:
+    """The architecture of the GGUF file at ``path`` and, per tensor, ``(ggml type, dims, byte offset in the
+    file)``. Reads the header only, skipping the metadata values it does not need: ``gguf.GGUFReader`` parses
+    every one (the tokenizer's ~100k strings), 3 s of a 135M target's load."""
+    with open(path, "rb") as f:
+        head = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, head, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string() -> str:
+        nonlocal pos
+        length = take("Q")
+        pos += length
+        return head[pos - length:pos].decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        nonlocal pos
+        if kind == 8:
+            string()
+        elif kind == 9:
+            inner, count = take("IQ")
+            if inner in GGUF_SCALARS:
+                pos += GGUF_SCALARS[inner] * count
+            else:
+                for _ in range(count):
+                    skip(inner)
+        else:
+            pos += GGUF_SCALARS[kind]
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path} is not a GGUF file of version 2 or later (magic {magic!r}, version {version})")
+    arch, alignment = "", 32
+    for _ in range(n_kv):
+        key, kind = string(), take("I")
+        if key == "general.architecture" and kind == 8:
+            arch = string()
+        elif key == "general.alignment" and kind == 4:
+            alignment = take("I")
+        else:
+            skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        dims = tuple(take("Q") for _ in range(n_dims))
+        kind, offset = take("IQ")
+        infos.append((name, kind, dims, offset))
+    start = -(-pos // alignment) * alignment
+    return arch, {name: (kind, dims, start + offset) for name, kind, dims, offset in infos}
 
 
 def int4_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
