@@ -126,3 +126,19 @@ def test_the_embedded_ggufs_q4_1_codes_are_exactly_its_float32_weights(embedded_
     params = dict(embedded_target.model.named_parameters())
     assert len(codes) == 7 * embedded_target.config.num_hidden_layers
     assert max(float((w.dequantize() - params[name]).abs().max()) for name, w in codes.items()) == 0.0
+
+
+@pytest.mark.integration
+def test_the_gguf_header_index_agrees_with_the_gguf_package():
+    from gguf import GGUFReader
+
+    from taps_ray import artifacts
+    from taps_ray.models.quant import gguf_tensor_index
+
+    path = artifacts.fetch("smollm2-135m")
+    arch, index = gguf_tensor_index(path)
+    reader = GGUFReader(str(path))
+    assert arch == "llama" and len(index) == len(reader.tensors)
+    for tensor in reader.tensors:
+        assert index[tensor.name] == (int(tensor.tensor_type), tuple(int(x) for x in tensor.shape),
+                                      int(tensor.data_offset)), tensor.name
