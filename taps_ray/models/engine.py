@@ -195,7 +195,8 @@ class StaticEngine:
     ``windows``: per layer, its sliding window (None: full attention), as the target applies them.
     ``weights``: ``dense`` (the model's own weights) or ``int4`` (the layers' products on 4-bit codes:
     ``int4_codes`` by HF parameter name where given, such as a GGUF's own Q4_1 blocks, else round-to-nearest
-    from the dense weight). ``int4_error``: the largest |codes' value - dense weight| over the given codes.
+    from the dense weight; given codes that do not match the dense weights within its dtype's rounding are
+    a ValueError).
     """
 
     def __init__(self, model, windows: list[int | None], weights: str = "dense",
@@ -219,7 +220,6 @@ class StaticEngine:
         self.weights = weights
         self._codes = int4_codes or {}
         self._names = {id(p): name for name, p in model.named_parameters()}
-        self.int4_error = 0.0
         self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
         self._codes = {}
         self._head: Linear | None = None
@@ -248,7 +248,6 @@ class StaticEngine:
         if error > bound:
             raise ValueError(f"the int4 codes of {', '.join(names)} do not match the dense weights (largest "
                              f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
-        self.int4_error = max(self.int4_error, error)
         return Int4Linear(codes, bias, self.dtype, weight)
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
