@@ -1,6 +1,7 @@
-"""The target's forward per row count, four ways in one process: transformers' forward, the static engine
-with plain ``F.linear`` products, with oneDNN-prepacked products (the default on CPU in float32, and in
-bfloat16 where oneDNN has native bf16) and with int4 layer weights (where they run: bfloat16 on a CPU).
+"""The target's forward per row count, five ways in one process: transformers' forward, the static engine
+with plain ``F.linear`` products, with oneDNN-prepacked products (dense on CPU in float32, and in bfloat16
+where oneDNN has native bf16), with int4 layer weights (where they run: bfloat16 on a CPU) and with fp16
+weights (where they run: float32 on a CPU with fbgemm).
 
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
     python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
@@ -11,8 +12,9 @@ line per n, and the weight-read floor (every weight read once) measured in the s
 
 ``--products``: the 30 layers' four products of the embedded target's shapes on random weights (425 MB in
 fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
-fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked and
-int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations): which formats pay here."""
+fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked,
+int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations) and fp16 weights through fbgemm
+with fp32 activations (:class:`~taps_ray.models.quant.HalfLinear`): which formats pay here."""
 
 from __future__ import annotations
 
@@ -25,7 +27,14 @@ import torch.nn.functional as F
 from taps_ray.config import TargetConfig
 from taps_ray.eval.bench import weight_read_floor
 from taps_ray.models.engine import can_pack
-from taps_ray.models.quant import GROUP, Int4Linear, int4_unsupported, quantize_rtn
+from taps_ray.models.quant import (
+    GROUP,
+    HalfLinear,
+    Int4Linear,
+    fp16_unsupported,
+    int4_unsupported,
+    quantize_rtn,
+)
 from taps_ray.models.target import TargetModel, crop_cache
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -73,6 +82,8 @@ def products(rows: list[int], repeats: int) -> None:
     bf16_packed = ([[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in half["bf16"]]
                    if can_pack(torch.device("cpu"), torch.bfloat16) else None)
     int4 = [[Int4Linear(quantize_rtn(w), None, torch.bfloat16, w) for w in layer] for layer in weights]
+    fbgemm = (None if fp16_unsupported(torch.device("cpu"), torch.float32) is not None
+              else [[HalfLinear(w, None) for w in layer] for layer in weights])
     int8 = []
     for layer in weights:
         row = []
@@ -91,7 +102,8 @@ def products(rows: list[int], repeats: int) -> None:
         return 1e3 * min(times)
 
     print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only | "
-          "bf16 oneDNN packed | int4 (bf16 activations) | int4 (fp32 activations)  (ms)")
+          "bf16 oneDNN packed | int4 (bf16 activations) | int4 (fp32 activations) | fp16 fbgemm (fp32 activations)"
+          "  (ms)")
     for n in rows:
         x = {576: torch.randn(n, 576), 1536: torch.randn(n, 1536)}
         cols = [best(lambda x=x: [F.linear(x[w.shape[1]], w) for layer in formats["fp32"] for w in layer]),
@@ -110,6 +122,8 @@ def products(rows: list[int], repeats: int) -> None:
         cols.append(best(lambda xb=xb: [q(xb[w.shape[1]]) for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
         cols.append(best(lambda x=x: [torch._weight_int4pack_mm_for_cpu(x[w.shape[1]], q.packed, GROUP, q.scale_zero.float())
                                       for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
+        cols.append(float("nan") if fbgemm is None else best(
+            lambda x=x: [h(x[w.shape[1]]) for layer, lh in zip(weights, fbgemm) for w, h in zip(layer, lh)]))
         print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
 
 
@@ -127,12 +141,16 @@ def main() -> None:
     hf = TargetModel.load(TargetConfig(dtype=args.dtype, engine="hf", weights="dense"))
     int4 = (TargetModel.load(TargetConfig(dtype=args.dtype, weights="int4"))
             if int4_unsupported(static.device, static.dtype) is None else None)
+    fp16 = (TargetModel.load(TargetConfig(dtype=args.dtype, weights="fp16"))
+            if fp16_unsupported(static.device, static.dtype) is None else None)
     ids = static.encode_chat([{"role": "user", "content": PROMPT}])
     packable = can_pack(static.device, static.dtype)
-    floor = weight_read_floor(static)
-    print(f"threads {torch.get_num_threads()}, dtype {args.dtype}, prompt {ids.shape[1]} tokens; weight-read floor "
-          f"{floor['read_ms']} ms ({floor['weight_mb']} MB at {floor['gb_per_s']} GB/s)")
-    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms | static, int4 ms")
+    for name, target in (("dense", static), ("int4", int4), ("fp16", fp16)):
+        if target is not None:
+            floor = weight_read_floor(target)
+            print(f"threads {torch.get_num_threads()}, dtype {args.dtype}, prompt {ids.shape[1]} tokens; {name} "
+                  f"weight-read floor {floor['read_ms']} ms ({floor['weight_mb']} MB at {floor['gb_per_s']} GB/s)")
+    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms | static, int4 ms | static, fp16 ms")
     for rows in (int(r) for r in args.rows.split(",")):
         hf_ms = forward_ms(hf, ids, rows, args.repeats)
         set_packing(static, False)
@@ -140,7 +158,8 @@ def main() -> None:
         set_packing(static, packable)
         packed_ms = forward_ms(static, ids, rows, args.repeats)
         int4_ms = forward_ms(int4, ids, rows, args.repeats) if int4 is not None else float("nan")
-        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f} | {int4_ms:.1f}")
+        fp16_ms = forward_ms(fp16, ids, rows, args.repeats) if fp16 is not None else float("nan")
+        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f} | {int4_ms:.1f} | {fp16_ms:.1f}")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,12 @@ class TargetConfig(Strict):
     engine: Literal["auto", "static", "hf"] = Field(default="auto", description=(
         "auto: the static-cache engine (models/engine.py) for Llama, Mistral, Qwen2/3 and Phi-3 targets, "
         "transformers' forward for other families; static: require it; hf: always transformers' forward"))
-    weights: Literal["auto", "dense", "int4"] = Field(default="auto", description=(
-        "the static engine's layer weights: dense (in target.dtype), int4 (4-bit codes in groups of 32: a GGUF's "
-        "own Q4_1 blocks, else round-to-nearest; CPU, bfloat16), auto: int4 where measured faster (a CPU with "
-        "native bf16 running bfloat16), dense elsewhere"))
+    weights: Literal["auto", "dense", "int4", "fp16"] = Field(default="auto", description=(
+        "the static engine's weights: dense (in target.dtype), int4 (layers on 4-bit codes in groups of 32: a "
+        "GGUF's own Q4_1 blocks, else round-to-nearest; CPU, bfloat16), fp16 (every product on half-precision "
+        "weights, float32 activations: fbgemm, CPU); auto: where measured faster, int4 on a CPU with native bf16 "
+        "running bfloat16, fp16 on a CPU running float32 from dtype auto, dense elsewhere (an explicit "
+        "dtype float32 stays dense: the bitwise reference)"))
 
     @field_validator("device")
     @classmethod

@@ -106,7 +106,6 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import torch
 
     from taps_ray.config import TreeConfig
     from taps_ray.data.contamination import union_trained_prompts
@@ -132,7 +131,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UserError(str(err)) from None
     target = TargetModel.load(cfg.target)
-    print(f"taps bench: target dtype {target.dtype_note}", file=sys.stderr)
+    print(f"taps bench: target dtype {target.dtype_note}, weights {target.weights}", file=sys.stderr)
     if args.peer:
         from taps_ray.eval.peers import PeerError, gguf_file
 
@@ -148,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter_name = args.drafter or default_release_drafter("math")
     drafter = load_drafters(target, [drafter_name] if drafter_name else [], cfg.drafter.seed)[0]
     reference = None
-    if target.dtype != torch.float32 and sampling.temperature == 0 and not args.no_exactness:
+    if not target.exact_reference and sampling.temperature == 0 and not args.no_exactness:
         reference = TargetModel.load(cfg.target.model_copy(update={"dtype": "float32", "weights": "dense"}))
     seen = union_trained_prompts([resolve_drafter_dir(drafter_name)]) if drafter_name else set()
     prompts = bench.benchmark_prompts(target, args.benchmark, args.limit, exclude=seen)

@@ -338,7 +338,7 @@ def run_bench(
     sampling_note = ("greedy" if greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p} "
                      f"top_k={sampling.top_k} seed={sampling.seed}")
     info = {
-        "sampling": sampling_note, "target": target.name, "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+        "sampling": sampling_note, "target": target.name, "device": str(target.device), "dtype": target.precision,
         "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "tree": tree_note(tree),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),

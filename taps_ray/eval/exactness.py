@@ -1,9 +1,10 @@
 """Exactness accounting: how a decoding's output differs from same-dtype vanilla, and whether each
 difference is a tie within rounding.
 
-In float32, speculative greedy output equals vanilla token for token. In reduced precision the
-tree forward (n queries) and the vanilla forward (one query) round differently, so the two can
-part where the target's top two tokens are nearly tied. For every output that differs from
+In float32 on dense weights, speculative greedy output equals vanilla token for token. In reduced
+precision (bfloat16 activations, low-bit weights) the tree forward (n queries) and the vanilla forward
+(one query) can round differently, so the two can part where the target's top two tokens are nearly
+tied. For every output that differs from
 vanilla, :func:`account` finds the first differing position and measures, with a float32 copy of
 the target, the logit gap between the two tokens there (``gap``). It also measures the rounding
 error of the dtype itself: the largest |low-precision - float32| logit difference over the same
@@ -55,8 +56,8 @@ class ExactnessReport:
                 "divergences": [asdict(d) for d in self.divergences]}
 
     def to_markdown(self) -> str:
-        lines = [f"Exactness vs {self.dtype} vanilla over {self.prompts} prompts; largest |{self.dtype} - float32| "
-                 f"logit error on these prompts: {self.max_logit_error:.4f}.", "",
+        lines = [f"Exactness vs vanilla in the same precision ({self.dtype}) over {self.prompts} prompts; largest "
+                 f"|{self.dtype} - dense float32| logit error on these prompts: {self.max_logit_error:.4f}.", "",
                  "| method | identical to vanilla | divergences | all ties within rounding |", "|---|---:|---:|---|"]
         for method, same in self.identical.items():
             mine = [d for d in self.divergences if d.method == method]
@@ -88,13 +89,12 @@ def account(target: TargetModel, reference: TargetModel | None, prompts: list[to
             outputs: dict[str, list[list[int]]], baseline: str = "vanilla") -> ExactnessReport:
     """Compare every method in ``outputs`` (token ids per prompt) with ``outputs[baseline]``.
 
-    ``reference`` is a float32 copy of ``target`` (None when ``target`` is float32 itself, where any
+    ``reference`` is a dense float32 copy of ``target`` (None when ``target`` is that itself, where any
     divergence is reported as not a tie). ``prompts`` [T] are the prompt ids in the same order.
     """
-    dtype = str(target.dtype).removeprefix("torch.")
     vanilla = outputs[baseline]
-    report = ExactnessReport(dtype=dtype, prompts=len(prompts))
-    low_precision = reference is not None and target.dtype != torch.float32
+    report = ExactnessReport(dtype=target.precision, prompts=len(prompts))
+    low_precision = reference is not None and not target.exact_reference
     references: dict[int, torch.Tensor] = {}
 
     def generated_logits(model: TargetModel, i: int) -> torch.Tensor:

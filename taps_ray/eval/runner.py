@@ -30,8 +30,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from taps_ray.config import ExperimentConfig, TargetConfig
 from taps_ray.data.benchmarks import BenchmarkQuestion
 from taps_ray.eval.exactness import EXACTNESS_FILE, account_records
@@ -209,7 +207,7 @@ def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], Targ
         return
     target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
     reference = None
-    if target.dtype != torch.float32:
+    if not target.exact_reference:
         reference = TargetModel.load(TargetConfig(**{**plan.target, "dtype": "float32", "weights": "dense"}))
     report = account_records(target, reference, records)
     write_json(out / EXACTNESS_FILE, report.to_dict())

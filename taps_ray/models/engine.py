@@ -9,7 +9,8 @@ runs the same arithmetic directly on the model's own weights:
   the two forwards share storage and any in-place change to a weight reaches both);
 - on CPU in float32 (and in bfloat16 where oneDNN has native bf16) every product runs through oneDNN on a
   prepacked copy of its weight (:class:`Linear`); with ``weights="int4"`` the layers' products read 4-bit
-  codes instead (:class:`~taps_ray.models.quant.Int4Linear`), the LM head stays dense;
+  codes instead (:class:`~taps_ray.models.quant.Int4Linear`), the LM head stays dense; with ``weights="fp16"``
+  every product, the LM head included, reads half-precision weights (:class:`~taps_ray.models.quant.HalfLinear`);
 - :class:`KVCache` preallocates every layer's keys and values, ``[L, kv_heads, C, d]``, with an explicit
   ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
   back, and compaction after tree verification gathers the accepted entries by index;
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from taps_ray.models.quant import Int4Linear, Int4Weight, quantize_rtn
+from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, quantize_rtn
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
@@ -179,13 +180,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 @dataclass
 class _Layer:
     norm_in: torch.nn.Module
-    qkv: Linear | Int4Linear
+    qkv: Linear | Int4Linear | HalfLinear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    o_proj: Linear | Int4Linear
+    o_proj: Linear | Int4Linear | HalfLinear
     norm_post: torch.nn.Module
-    gate_up: Linear | Int4Linear
-    down: Linear | Int4Linear
+    gate_up: Linear | Int4Linear | HalfLinear
+    down: Linear | Int4Linear | HalfLinear
     window: int | None
 
 
@@ -193,7 +194,8 @@ class StaticEngine:
     """The decoder forward of ``model`` (a family :func:`static_support` accepts) on :class:`KVCache` caches.
 
     ``windows``: per layer, its sliding window (None: full attention), as the target applies them.
-    ``weights``: ``dense`` (the model's own weights) or ``int4`` (the layers' products on 4-bit codes:
+    ``weights``: ``dense`` (the model's own weights), ``fp16`` (every product on a half-precision copy, float32
+    activations) or ``int4`` (the layers' products on 4-bit codes:
     ``int4_codes`` by HF parameter name where given, such as a GGUF's own Q4_1 blocks, else round-to-nearest
     from the dense weight; given codes that do not match the dense weights within its dtype's rounding are
     a ValueError).
@@ -215,8 +217,8 @@ class StaticEngine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.packed = can_pack(self.device, self.dtype)
-        if weights not in ("dense", "int4"):
-            raise ValueError(f"weights must be dense or int4, got {weights!r}")
+        if weights not in ("dense", "int4", "fp16"):
+            raise ValueError(f"weights must be dense, int4 or fp16, got {weights!r}")
         self.weights = weights
         self._codes = int4_codes or {}
         self._names = {id(p): name for name, p in model.named_parameters()}
@@ -235,10 +237,13 @@ class StaticEngine:
                       layer.post_attention_layernorm, gate_up,
                       self._product(mlp.down_proj.weight, mlp.down_proj.bias, names([mlp.down_proj])), window)
 
-    def _product(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear | Int4Linear:
+    def _product(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 names: list[str]) -> Linear | Int4Linear | HalfLinear:
         """The product of one (fused) weight [N, K] made of the parameters ``names``, in this engine's format."""
         if self.weights == "dense":
             return Linear(weight, bias, self.packed)
+        if self.weights == "fp16":
+            return HalfLinear(weight, bias)
         given = [self._codes.get(name) for name in names]
         if not all(given):
             return Int4Linear(quantize_rtn(weight), bias, self.dtype, weight)
@@ -252,20 +257,25 @@ class StaticEngine:
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`
-        (prepacked once, again whenever the head is replaced or changed)."""
+        (prepacked once, again whenever the head is replaced or changed; fp16 weights: a :class:`HalfLinear`)."""
         if self._head is None or self._head.weight is not head.weight:
-            self._head = Linear(head.weight, head.bias, self.packed)
+            self._head = (HalfLinear(head.weight, head.bias) if self.weights == "fp16"
+                          else Linear(head.weight, head.bias, self.packed))
         return self._head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
 
     def step_tensors(self, head: torch.nn.Linear) -> list[torch.Tensor]:
         """Every tensor a plain step reads in full, in the format the products read them (int4: the packed
-        codes and their scales), the LM head ``head``'s weight included: what the weight-read floor reads."""
-        tensors = [*self.base.norm.parameters(), head.weight]
+        codes and their scales; fp16: half-precision tensors of the packed copies' size), the LM head ``head``'s
+        weight included: what the weight-read floor reads."""
+        tensors = [*self.base.norm.parameters(),
+                   head.weight.detach().half() if self.weights == "fp16" else head.weight]
         for layer in self.layers:
             tensors += [*layer.norm_in.parameters(), *layer.norm_post.parameters()]
             for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 if isinstance(product, Int4Linear):
                     tensors += [product.packed, product.scale_zero]
+                elif isinstance(product, HalfLinear):
+                    tensors.append(product.read_proxy())
                 else:
                     tensors.append(product.weight)
                 tensors += [] if product.bias is None else [product.bias]

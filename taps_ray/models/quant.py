@@ -1,11 +1,20 @@
-"""Weight-only 4-bit products for the static engine (``target.weights: int4``).
+"""Reduced-precision weight formats of the static engine's products (``target.weights``).
 
-A weight ``W`` [N, K] is stored as codes ``q`` in 0..15 in groups of :data:`GROUP` along K, each group with
+**int4.** A weight ``W`` [N, K] is stored as codes ``q`` in 0..15 in groups of :data:`GROUP` along K, each group with
 a scale ``d`` and a minimum ``m``: ``W = d * q + m``, the layout of GGUF's Q4_1 blocks. For a GGUF target
 (the embedded one included) the codes, scales and minima are the file's own, read by :func:`read_gguf_q4_1`;
 for any other target they come from the dense weights by round-to-nearest (:func:`quantize_rtn`). The
 product runs through torch's CPU kernel ``_weight_int4pack_mm_for_cpu``, which dequantizes
 ``(q - 8) * scale + zero`` per group inside the matmul, so ``zero = m + 8 d``.
+
+**fp16.** Half-precision weights with float32 activations and float32 accumulation, through fbgemm's fp16
+GEMM behind torch's ``quantized.linear_dynamic_fp16`` (:class:`HalfLinear`): half the bytes of float32 per step on any x86 CPU (AVX2 included), where torch's
+bf16 and low-bit kernels are slower than float32 (docs/BENCHMARKS.md). fbgemm cuts the rows of a product
+into blocks and runs a block of one or two rows through kernels whose sums round otherwise, so for some row
+counts (1, 2, 7, 14, 31, 32, ... on AVX2) a row's result depends on how many rows share its step. Which
+counts do is probed once per process and thread count (:func:`half_row_counts`), and a product of such a count runs on the
+next count that does not, padded with zero rows: a plain step then rounds exactly as the same row inside a
+tree step, and greedy speculation equals vanilla bitwise on these weights too.
 
 Shapes: ``N`` output features, ``K`` input features, ``G = K / GROUP`` groups per row, ``T`` rows of a step.
 """
@@ -19,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 GROUP = 32
-WEIGHT_FORMATS = ("auto", "dense", "int4")
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp16")
+HALF_PROBE_ROWS = 256
 LAYER_PROJECTIONS = {  # GGUF block tensor -> the HF module path inside a decoder layer
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -178,13 +189,40 @@ def int4_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
-    """``target.weights: auto``: int4 where it was measured faster than dense (a CPU with native bf16
-    running bfloat16, docs/BENCHMARKS.md), dense everywhere else."""
+def fp16_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why fp16 weights cannot run on ``device`` in ``dtype``, or None when they can (a CPU whose torch has
+    fbgemm, float32 activations)."""
+    if device.type != "cpu":
+        return f"fp16 weights run on fbgemm's CPU kernel only (device {device.type}); use target.weights=dense"
+    if dtype != torch.float32:
+        return (f"fp16 weights take float32 activations (target.dtype={str(dtype).removeprefix('torch.')}); "
+                f"use target.dtype=float32 or target.weights=dense")
+    if "fbgemm" not in torch.backends.quantized.supported_engines or torch.backends.quantized.engine not in (
+            "fbgemm", "x86"):
+        return (f"this torch ({torch.__version__}, quantized engine {torch.backends.quantized.engine}) has no fbgemm "
+                f"fp16 GEMM on this CPU; use target.weights=dense")
+    return None
+
+
+def weights_unsupported(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the format ``weights`` (dense, int4 or fp16) cannot run on ``device`` in ``dtype``, or None."""
+    if weights == "int4":
+        return int4_unsupported(device, dtype)
+    if weights == "fp16":
+        return fp16_unsupported(device, dtype)
+    return None
+
+
+def auto_weights(device: torch.device, dtype: torch.dtype, dtype_requested: str = "auto") -> str:
+    """``target.weights: auto``, where each format was measured faster than dense (docs/BENCHMARKS.md): int4 on a
+    CPU with native bf16 running bfloat16; fp16 on a CPU running float32 because ``target.dtype`` was ``auto``
+    (an explicit ``float32`` keeps dense float32 weights, the bitwise reference); dense everywhere else."""
     from taps_ray.models.target import cpu_native_bf16
 
     if int4_unsupported(device, dtype) is None and cpu_native_bf16():
         return "int4"
+    if dtype_requested == "auto" and fp16_unsupported(device, dtype) is None:
+        return "fp16"
     return "dense"
 
 
@@ -208,6 +246,62 @@ class Int4Linear:
                                "(or use target.weights=dense)")
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return out if self.bias is None else out + self.bias
+
+
+class HalfLinear:
+    """``x [T, K] -> x @ fp16(W).T + bias`` [T, N] in float32, through fbgemm's fp16-weight GEMM on a packed
+    half-precision copy of ``weight`` [N, K] (accumulation in float32, torch's threads). Rows are padded to
+    the next row count :func:`half_row_counts` finds consistent, so each row's result is the same whatever the
+    row count. ``weight`` is the dense parameter the copy was made from: a change to it after packing is an
+    error, never a stale product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(
+            weight.detach().float().contiguous(), None if bias is None else bias.detach().float())
+        self.weight, self.bias = weight, bias
+        self.in_features = weight.shape[1]
+        self._key = _identity(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if _identity(self.weight) != self._key:
+            raise RuntimeError("the target's weights changed after they were packed to fp16; reload the target "
+                               "(or use target.weights=dense)")
+        rows = x.shape[0]
+        counts = half_row_counts()
+        padded = counts[rows] if rows < len(counts) else rows
+        if padded > rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)[:rows]
+
+    def read_proxy(self) -> torch.Tensor:
+        """A half-precision tensor of the packed copy's size: what the weight-read floor reads in its place (the
+        packed copy itself is opaque to torch)."""
+        return self.weight.detach().half()
+
+
+_row_counts: dict[int, list[int]] = {}
+
+
+def half_row_counts() -> list[int]:
+    """``counts[m]``: the row count a fp16 product of ``m`` rows runs on (``m`` itself, or the next count whose
+    rows round as in a product of :data:`HALF_PROBE_ROWS` rows), for ``m`` in 0 .. HALF_PROBE_ROWS; larger
+    products run unpadded. Probed once per process and torch thread count on a small random product (~30 ms)."""
+    threads = torch.get_num_threads()
+    if threads in _row_counts:
+        return _row_counts[threads]
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 128, generator=gen), None)
+    x = torch.randn(HALF_PROBE_ROWS, 128, generator=gen)
+    full = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    consistent = [m == 0 or torch.equal(torch.ops.quantized.linear_dynamic_fp16(x[:m].contiguous(), packed), full[:m])
+                  for m in range(HALF_PROBE_ROWS + 1)]
+    counts, after = list(range(HALF_PROBE_ROWS + 1)), HALF_PROBE_ROWS
+    if sum(consistent) >= HALF_PROBE_ROWS // 2:  # else the probe's own reference is the odd one out: pad nothing
+        for m in range(HALF_PROBE_ROWS, -1, -1):
+            after = m if consistent[m] else after
+            counts[m] = after
+    _row_counts[threads] = counts
+    return counts
 
 
 def _identity(tensor: torch.Tensor) -> tuple[int, int | None]:

@@ -25,7 +25,13 @@ from taps_ray import artifacts
 from taps_ray.config import TargetConfig
 from taps_ray.models.attention import use_gqa_sdpa
 from taps_ray.models.engine import KVCache, Segment, StaticEngine, static_support
-from taps_ray.models.quant import Int4Weight, auto_weights, int4_unsupported, read_gguf_q4_1
+from taps_ray.models.quant import (
+    WEIGHT_FORMATS,
+    Int4Weight,
+    auto_weights,
+    read_gguf_q4_1,
+    weights_unsupported,
+)
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +286,7 @@ class TargetModel:
             model, tokenizer = _load_hf(source.removeprefix("hf:"), dtype)
             gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
-        weights = _weights(cfg.weights, device, dtype, source)
+        weights = _weights(cfg.weights, device, dtype, source, cfg.dtype)
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
                      weights_required=cfg.weights != "auto")
         if cfg.max_context:
@@ -434,20 +440,33 @@ class TargetModel:
             ids += self.tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True).input_ids
         return ids + self.tokenizer(text, add_special_tokens=False).input_ids
 
+    @property
+    def exact_reference(self) -> bool:
+        """Whether this target computes in float32 on its dense weights: the bitwise reference greedy exactness is
+        stated against (a bfloat16 or low-bit target's divergences are accounted as ties within rounding)."""
+        return self.dtype == torch.float32 and self.weights == "dense"
+
+    @property
+    def precision(self) -> str:
+        """The dtype, and the weight format where it is not dense: ``float32``, ``float32, fp16 weights`` ..."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return dtype if self.weights == "dense" else f"{dtype}, {self.weights} weights"
+
     def describe(self) -> dict:
         return {**self.fingerprint.to_dict(), "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "dtype_note": self.dtype_note, "engine": "static" if self.engine is not None else "hf",
                 "weights": self.weights, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
-def _weights(requested: str, device: torch.device, dtype: torch.dtype, name: str) -> str:
-    """``target.weights`` resolved: ``auto`` by :func:`~taps_ray.models.quant.auto_weights`; ``int4`` where its
-    kernel cannot run here is a :class:`TargetLoadError` naming why."""
-    if requested not in ("auto", "dense", "int4"):
-        raise TargetLoadError(f"target.weights must be auto, dense or int4, got {requested!r}")
+def _weights(requested: str, device: torch.device, dtype: torch.dtype, name: str, dtype_requested: str = "auto") -> str:
+    """``target.weights`` resolved: ``auto`` by :func:`~taps_ray.models.quant.auto_weights` (``dtype_requested``:
+    ``target.dtype`` as given); int4 or fp16 where its kernel cannot run here is a :class:`TargetLoadError`
+    naming why."""
+    if requested not in WEIGHT_FORMATS:
+        raise TargetLoadError(f"target.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {requested!r}")
     if requested == "auto":
-        return auto_weights(device, dtype)
-    reason = int4_unsupported(device, dtype) if requested == "int4" else None
+        return auto_weights(device, dtype, dtype_requested)
+    reason = weights_unsupported(requested, device, dtype)
     if reason:
         raise TargetLoadError(f"target {name!r}: {reason}")
     return requested
@@ -457,7 +476,7 @@ def _engine(model: PreTrainedModel, windows: list[int | None], name: str, reques
             gguf: Path | None = None, weights_required: bool = False) -> StaticEngine | None:
     """The static engine for ``model`` when ``requested`` allows it (auto: where the family supports it;
     static: required, TargetLoadError otherwise; hf: never), its layers in ``weights`` (int4: the codes of
-    ``gguf``'s Q4_1 tensors where it has them). int4 without the static engine is a TargetLoadError when
+    ``gguf``'s Q4_1 tensors where it has them). int4 or fp16 without the static engine is a TargetLoadError when
     ``weights_required`` (set explicitly), else the forward stays dense."""
     if requested not in ("auto", "static", "hf"):
         raise TargetLoadError(f"target.engine must be auto, static or hf, got {requested!r}")
@@ -470,8 +489,8 @@ def _engine(model: PreTrainedModel, windows: list[int | None], name: str, reques
             return StaticEngine(model, windows, weights, codes)
         except ValueError as err:
             raise TargetLoadError(f"target {name!r}: {err}") from err
-    if weights == "int4" and weights_required:
-        raise TargetLoadError(f"target {name!r}: int4 weights run on the static engine, which this target does not "
+    if weights != "dense" and weights_required:
+        raise TargetLoadError(f"target {name!r}: {weights} weights run on the static engine, which this target does not "
                               f"({reason}); use target.weights=dense")
     if requested == "hf":
         return None

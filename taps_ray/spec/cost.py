@@ -113,9 +113,10 @@ def fingerprint(target) -> dict:
 
 
 def engine_label(engine) -> str:
-    """``static``, ``static-packed`` (oneDNN-prepacked dense products) or ``static-int4`` (4-bit layer weights)."""
-    if engine.weights == "int4":
-        return "static-int4"
+    """``static``, ``static-packed`` (oneDNN-prepacked dense products), ``static-int4`` (4-bit layer weights) or
+    ``static-fp16`` (half-precision weights through fbgemm)."""
+    if engine.weights in ("int4", "fp16"):
+        return f"static-{engine.weights}"
     return f"static{'-packed' if engine.packed else ''}"
 
 

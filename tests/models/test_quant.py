@@ -1,4 +1,4 @@
-"""models/quant.py: 4-bit codes (GGUF Q4_1 blocks, round-to-nearest) and the int4 product of the static engine."""
+"""models/quant.py: 4-bit codes (GGUF Q4_1 blocks, round-to-nearest), the int4 and fp16 products of the static engine."""
 
 from __future__ import annotations
 
@@ -6,14 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from taps_ray.config import TargetConfig
+from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.quant import (
     GROUP,
+    HALF_PROBE_ROWS,
+    HalfLinear,
     Int4Linear,
     Int4Weight,
     _q4_1_blocks,
     _unpermute_rope_rows,
     auto_weights,
+    fp16_unsupported,
+    half_row_counts,
     int4_unsupported,
     quantize_rtn,
     read_gguf_q4_1,
@@ -82,7 +86,7 @@ def test_int4_runs_where_its_kernel_pays_and_says_why_elsewhere(monkeypatch):
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "dense"
     monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: "avx512_bf16")
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "int4"
-    assert auto_weights(torch.device("cpu"), torch.float32) == "dense"
+    assert auto_weights(torch.device("cpu"), torch.float32, "float32") == "dense"
 
 
 def test_int4_engine_of_a_tiny_target_follows_its_dense_forward():
@@ -114,6 +118,81 @@ def test_int4_is_refused_with_a_reason_where_it_cannot_run():
     tiny = make_tiny_target(0)
     with pytest.raises(TargetLoadError, match="static engine"):
         TargetModel(tiny.model, None, "tiny", engine="hf", weights="int4", weights_required=True)
+
+
+needs_fbgemm = pytest.mark.skipif(fp16_unsupported(torch.device("cpu"), torch.float32) is not None,
+                                  reason="this torch has no fbgemm fp16 GEMM on this CPU (non-x86)")
+
+
+@needs_fbgemm
+def test_half_product_rows_do_not_depend_on_how_many_rows_share_the_step():
+    """Bitwise, for every row count a step can have: fbgemm's one- and two-row blocks round otherwise than its
+    larger ones; the probed padding makes a plain step's row equal to the same row inside any tree step."""
+    weight, bias = torch.randn(320, 576) * 0.05, torch.randn(320)
+    linear = HalfLinear(weight, bias)
+    x = torch.randn(HALF_PROBE_ROWS, 576)
+    counts = half_row_counts()
+    assert len(counts) == HALF_PROBE_ROWS + 1 and all(m <= c for m, c in enumerate(counts))
+    with torch.inference_mode():
+        full = linear(x)
+        for rows in range(1, HALF_PROBE_ROWS):
+            assert torch.equal(linear(x[:rows]), full[:rows]), rows
+    assert full.dtype == torch.float32 and full.shape == (HALF_PROBE_ROWS, 320)
+
+
+@needs_fbgemm
+def test_half_product_is_the_half_rounded_weights_product_and_refuses_a_changed_weight():
+    weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
+    linear = HalfLinear(weight, bias)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        out = linear(x)
+    rounded = x @ weight.half().float().T + bias
+    torch.testing.assert_close(out, rounded, rtol=0, atol=1e-5)
+    assert float((out - (x @ weight.T + bias)).abs().max()) > 0  # the weights really are half precision
+    assert linear.read_proxy().dtype == torch.float16 and linear.read_proxy().numel() == weight.numel()
+    weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed after they were packed"):
+        linear(x)
+
+
+def test_fp16_runs_where_fbgemm_does_and_auto_picks_it_only_from_dtype_auto(monkeypatch):
+    assert "CPU kernel only" in fp16_unsupported(torch.device("cuda"), torch.float32)
+    assert "float32 activations" in fp16_unsupported(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(TargetLoadError, match="float32 activations"):
+        TargetModel.load(TargetConfig(dtype="bfloat16", weights="fp16"))
+    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: None)
+    monkeypatch.setattr("taps_ray.models.quant.fp16_unsupported", lambda device, dtype: None)
+    assert auto_weights(torch.device("cpu"), torch.float32, "auto") == "fp16"
+    assert auto_weights(torch.device("cpu"), torch.float32, "float32") == "dense"
+    monkeypatch.setattr("taps_ray.models.quant.fp16_unsupported", lambda device, dtype: "no fbgemm")
+    assert auto_weights(torch.device("cpu"), torch.float32, "auto") == "dense"
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("seed", range(3))
+def test_fp16_engine_greedy_speculation_equals_its_vanilla_bitwise(seed):
+    """The fp16 engine is its own exact reference: greedy speculation (tree steps of 2-40 rows) emits vanilla's
+    tokens (one-row steps), and its logits follow the dense float32 forward within half rounding."""
+    from taps_ray.models.drafter import DraftHead
+    from taps_ray.spec.decoder import generate
+    from taps_ray.spec.protocol import SingleStrategy
+    from tests.spec.spec_helpers import OracleStrategy, peaky_tiny_target, random_prompt
+
+    dense = peaky_tiny_target(seed)
+    half = TargetModel(dense.model, None, "peaky-fp16", weights="fp16")
+    assert half.weights == "fp16" and half.precision == "float32, fp16 weights" and not half.exact_reference
+    prompt = random_prompt(half, 6 + seed, seed)
+    with torch.inference_mode():
+        error = float((half.prefill(prompt[None]).logits - dense.prefill(prompt[None]).logits).abs().max())
+    assert 0 < error < 0.05
+    vanilla = generate(half, prompt, max_new_tokens=48)
+    sequence = torch.cat([prompt, torch.tensor(vanilla.token_ids)])
+    for strategy in (SingleStrategy(DraftHead(half.config, seed=seed), TreeConfig(depth=3, top_k=4, total_tokens=24,
+                                                                                 lookup_tokens=0)),
+                     OracleStrategy(sequence, half.vocab_size, depth=5, seed=seed)):
+        spec = generate(half, prompt, strategy, max_new_tokens=48)
+        assert spec.token_ids == vanilla.token_ids
 
 
 @pytest.mark.integration
