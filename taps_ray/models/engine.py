@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, quantize_rtn
+from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, half_row_counts, quantize_rtn
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
@@ -177,14 +177,33 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+class RMSNorm:
+    """``module`` (a Llama-style RMSNorm: ``weight * x / rms(x)``) as one ``F.rms_norm`` call in float32, the same
+    arithmetic bit for bit in one op instead of eight (plus the module call); in other dtypes the module itself."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.module = module
+        self.eps = getattr(module, "variance_epsilon", None)
+        self.fused = (dtype == torch.float32 and self.eps is not None and type(module).__name__.endswith("RMSNorm")
+                      and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return F.rms_norm(x, (x.shape[-1],), self.module.weight, self.eps)
+        return self.module(x)
+
+    def parameters(self):
+        return self.module.parameters()
+
+
 @dataclass
 class _Layer:
-    norm_in: torch.nn.Module
+    norm_in: RMSNorm
     qkv: Linear | Int4Linear | HalfLinear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
     o_proj: Linear | Int4Linear | HalfLinear
-    norm_post: torch.nn.Module
+    norm_post: RMSNorm
     gate_up: Linear | Int4Linear | HalfLinear
     down: Linear | Int4Linear | HalfLinear
     window: int | None
@@ -223,6 +242,7 @@ class StaticEngine:
         self._codes = int4_codes or {}
         self._names = {id(p): name for name, p in model.named_parameters()}
         self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
+        self._final_norm = RMSNorm(base.norm, self.dtype)
         self._codes = {}
         self._head: Linear | None = None
 
@@ -232,9 +252,10 @@ class StaticEngine:
         up_parts = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
         names = lambda parts: [self._names[id(p.weight)] for p in parts]  # noqa: E731
         qkv, gate_up = (self._product(*_fuse(parts), names(parts)) for parts in (qkv_parts, up_parts))
-        return _Layer(layer.input_layernorm, qkv, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+        return _Layer(RMSNorm(layer.input_layernorm, self.dtype), qkv, getattr(attn, "q_norm", None),
+                      getattr(attn, "k_norm", None),
                       self._product(attn.o_proj.weight, attn.o_proj.bias, names([attn.o_proj])),
-                      layer.post_attention_layernorm, gate_up,
+                      RMSNorm(layer.post_attention_layernorm, self.dtype), gate_up,
                       self._product(mlp.down_proj.weight, mlp.down_proj.bias, names([mlp.down_proj])), window)
 
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -281,6 +302,14 @@ class StaticEngine:
                 tensors += [] if product.bias is None else [product.bias]
         return tensors
 
+    def _rows(self, total: int) -> int:
+        """The row count a forward of ``total`` tokens runs its products on: ``total``, or for fp16 weights the
+        next count whose rows round as in any other (:func:`~taps_ray.models.quant.half_row_counts`)."""
+        if self.weights != "fp16":
+            return total
+        counts = half_row_counts()
+        return counts[total] if total < len(counts) else total
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
 
@@ -294,26 +323,35 @@ class StaticEngine:
         cos, sin = self.base.rotary_emb(x, positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]
         x = x[0]
+        total = x.shape[0]
+        rows = self._rows(total)
+        if rows > total:  # products run on rows they round alike on (fp16); the padding rows attend nowhere
+            x = F.pad(x, (0, 0, 0, rows - total))
         starts = _starts(segments)
         masks = [self._masks(seg, positions[start:start + seg.n]) for seg, start in zip(segments, starts)]
         h, g, d = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.norm_in(x))
-            q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
-            q, k, v = q.view(-1, h, d), k.view(-1, g, d), v.view(-1, g, d)
+            qk, v = qkv[:total].split(((h + g) * d, g * d), dim=-1)
+            qk, v = qk.view(-1, h + g, d), v.view(-1, g, d)
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            out = torch.empty_like(q)
-            for seg, start, mask in zip(segments, starts, masks):
-                out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
-                                                        k[start:start + seg.n], v[start:start + seg.n], mask)
-            x = x + layer.o_proj(out.view(-1, h * d))
+                qk = torch.cat([layer.q_norm(qk[:, :h]), layer.k_norm(qk[:, h:])], dim=1)
+            qk = _rope(qk, cos, sin)  # q and k heads in one pass
+            q, k = qk[:, :h], qk[:, h:]
+            if len(segments) == 1 and rows == total:
+                out = self._attend(index, layer, segments[0], q, k, v, masks[0])
+            else:
+                out = q.new_zeros(rows, h, d)
+                for seg, start, mask in zip(segments, starts, masks):
+                    out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
+                                                            k[start:start + seg.n], v[start:start + seg.n], mask)
+            x = x + layer.o_proj(out.reshape(rows, h * d))
             gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+        x = x[:total]
         for seg in segments:
             seg.cache.length += seg.n
-        return self.base.norm(x)
+        return self._final_norm(x)
 
     def _attend(self, index: int, layer: _Layer, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 masks: dict) -> torch.Tensor:
