@@ -46,10 +46,9 @@ class Clock:
 
 @torch.inference_mode()
 def target_forward(target: TargetModel, tokens, positions, cache, mask, clock: Clock):
-    hidden = target.model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                                     use_cache=True).last_hidden_state
+    hidden = target.forward_hidden(tokens, positions, cache, mask)
     clock.lap("target layers")
-    logits = target.lm_head(hidden).float()
+    logits = target.logits(hidden)
     clock.lap("lm head")
     return hidden, logits
 

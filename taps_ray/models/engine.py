@@ -338,14 +338,16 @@ class StaticEngine:
                 qk = torch.cat([layer.q_norm(qk[:, :h]), layer.k_norm(qk[:, h:])], dim=1)
             qk = _rope(qk, cos, sin)  # q and k heads in one pass
             q, k = qk[:, :h], qk[:, h:]
-            if len(segments) == 1 and rows == total:
-                out = self._attend(index, layer, segments[0], q, k, v, masks[0])
+            if len(segments) == 1:
+                out = self._attend(index, layer, segments[0], q, k, v, masks[0]).reshape(total, h * d)
+                out = F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
             else:
-                out = q.new_zeros(rows, h, d)
+                out = q.new_zeros(rows, h * d)
                 for seg, start, mask in zip(segments, starts, masks):
                     out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
-                                                            k[start:start + seg.n], v[start:start + seg.n], mask)
-            x = x + layer.o_proj(out.reshape(rows, h * d))
+                                                            k[start:start + seg.n], v[start:start + seg.n],
+                                                            mask).reshape(seg.n, h * d)
+            x = x + layer.o_proj(out)
             gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         x = x[:total]

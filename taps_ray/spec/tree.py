@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
+from taps_ray.models.quant import HalfLinear, read_linears_in_half
 from taps_ray.models.target import TargetModel, crop_cache
 
 
@@ -254,7 +255,7 @@ class DraftCompute:
         None)`` -> [1, n, H]; ``cache`` is extended by n entries."""
         return drafter(embeds, features, positions, cache, mask)
 
-    def log_probs(self, head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def log_probs(self, head: torch.Tensor | HalfLinear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`draft_log_probs` of ``hidden`` [n, H] under ``head`` [V, H]."""
         return draft_log_probs(head, hidden)
 
@@ -262,16 +263,22 @@ class DraftCompute:
 DIRECT = DraftCompute()
 
 
-def draft_head_rows(drafter: DraftHead, weight: torch.Tensor) -> torch.Tensor:
+def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, half: bool = False) -> torch.Tensor | HalfLinear:
     """The LM-head rows [V_draft, H] of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H]
-    (``weight`` itself for the whole vocabulary); computed once per drafter and head and shared by its sessions."""
-    if drafter.draft_to_target is None:
-        return weight
+    (``weight`` itself for the whole vocabulary); computed once per drafter and head and shared by its sessions.
+    ``half``: those rows as a :class:`~taps_ray.models.quant.HalfLinear` product, for a target that reads its
+    own weights in half precision (``target.weights: fp16``): the draft head is the target's head, read in the
+    target's format (4-10x float32's ``mm`` for the few rows drafted at once on the CPUs measured)."""
     cached = drafter.__dict__.get("_head_rows")
     if cached is None or cached[0] is not weight:
-        cached = (weight, weight[drafter.draft_to_target])
+        rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
+        cached = (weight, rows, {})
         drafter.__dict__["_head_rows"] = cached
-    return cached[1]
+    if not half:
+        return cached[1]
+    if "half" not in cached[2]:
+        cached[2]["half"] = HalfLinear(cached[1], None)
+    return cached[2]["half"]
 
 
 class DrafterState:
@@ -287,7 +294,7 @@ class DrafterState:
         self.compute = compute
         self.cache = drafter.new_cache()
         self.committed = 0
-        self.head: torch.Tensor | None = None
+        self.head: torch.Tensor | HalfLinear | None = None
         self._tokens: list[torch.Tensor] = []
         self._features: list[torch.Tensor] = []
         self._support: tuple | None = None
@@ -331,14 +338,19 @@ class DrafterState:
         return tokens, features
 
 
-def draft_log_probs(head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def draft_log_probs(head: torch.Tensor | HalfLinear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
     """Draft log-probs [n, V], their entropies [n] and log-normalisers [n] from drafter outputs
     ``hidden`` [n, H].
 
-    ``head`` [V, H] is the (draft-vocabulary) LM head; ``head @ hidden^T`` is the faster CPU kernel for
-    the few rows drafted at a time (the weight read dominates).
+    ``head`` [V, H] is the (draft-vocabulary) LM head, or its half-precision product
+    (:func:`draft_head_rows`); for a tensor, ``head @ hidden^T`` is the faster float32 CPU kernel for the few
+    rows drafted at a time (the weight read dominates).
     """
-    logits = (head @ hidden.to(head.dtype).T).T.float().contiguous()
+    if isinstance(head, HalfLinear):
+        logits = head(hidden.float())
+    else:
+        logits = (head @ hidden.to(head.dtype).T).T.float().contiguous()
     logp = torch.log_softmax(logits, dim=-1)
     return logp, -(logp.exp() * logp).sum(-1), logits.amax(-1) - logp.amax(-1)
 
@@ -410,7 +422,10 @@ def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState
                                 features[None].to(device, dtype), positions, state.cache, None)
     state.committed = r
     if state.head is None:
-        state.head = draft_head_rows(drafter, target.lm_head.weight)
+        half = getattr(target, "weights", "dense") == "fp16"
+        state.head = draft_head_rows(drafter, target.lm_head.weight, half)
+        if half:
+            read_linears_in_half(drafter)
     return out, tokens[-1:], r
 
 

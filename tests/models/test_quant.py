@@ -221,3 +221,38 @@ def test_the_gguf_header_index_agrees_with_the_gguf_package():
     for tensor in reader.tensors:
         assert index[tensor.name] == (int(tensor.tensor_type), tuple(int(x) for x in tensor.shape),
                                       int(tensor.data_offset)), tensor.name
+
+
+@needs_fbgemm
+def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_only():
+    """After drafting for an fp16 target, the drafter's linears compute on half weights without autograd, follow
+    in-place weight changes (hot swap), train through F.linear as before, and pickle without the packed copy."""
+    import pickle
+
+    from taps_ray.models.drafter import DraftHead
+    from taps_ray.models.quant import HalfLinearForward
+    from taps_ray.spec.decoder import generate
+    from taps_ray.spec.protocol import SingleStrategy
+    from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
+
+    half = TargetModel(peaky_tiny_target(0).model, None, "peaky-fp16", weights="fp16")
+    drafter = DraftHead(half.config, seed=0)
+    generate(half, random_prompt(half, 8, 0), SingleStrategy(drafter, TreeConfig(depth=2, top_k=3, total_tokens=8,
+                                                                               lookup_tokens=0)), max_new_tokens=6)
+    assert isinstance(drafter.fc.__dict__.get("forward"), HalfLinearForward)
+    x = torch.randn(1, 3, drafter.fc.in_features)
+    exact = torch.nn.functional.linear(x, drafter.fc.weight, drafter.fc.bias)
+    with torch.inference_mode():
+        fast = drafter.fc(x)
+    assert 0 < float((fast - exact).abs().max()) < 1e-3
+    with torch.no_grad():
+        drafter.fc.weight.mul_(2.0)
+        again = drafter.fc(x)
+    torch.testing.assert_close(again, torch.nn.functional.linear(x, drafter.fc.weight, drafter.fc.bias),
+                               rtol=0, atol=2e-3)
+    trained = drafter.fc(x)
+    assert trained.requires_grad and torch.equal(trained.detach(),
+                                                 torch.nn.functional.linear(x, drafter.fc.weight, drafter.fc.bias).detach())
+    copy = pickle.loads(pickle.dumps(drafter))
+    with torch.inference_mode():
+        assert torch.equal(copy.fc(x), drafter.fc(x))
