@@ -8,13 +8,14 @@ product runs through torch's CPU kernel ``_weight_int4pack_mm_for_cpu``, which d
 ``(q - 8) * scale + zero`` per group inside the matmul, so ``zero = m + 8 d``.
 
 **fp16.** Half-precision weights with float32 activations and float32 accumulation, through fbgemm's fp16
-GEMM behind torch's ``quantized.linear_dynamic_fp16`` (:class:`HalfLinear`): half the bytes of float32 per step on any x86 CPU (AVX2 included), where torch's
-bf16 and low-bit kernels are slower than float32 (docs/BENCHMARKS.md). fbgemm cuts the rows of a product
-into blocks and runs a block of one or two rows through kernels whose sums round otherwise, so for some row
-counts (1, 2, 7, 14, 31, 32, ... on AVX2) a row's result depends on how many rows share its step. Which
-counts do is probed once per process and thread count (:func:`half_row_counts`), and a product of such a count runs on the
-next count that does not, padded with zero rows: a plain step then rounds exactly as the same row inside a
-tree step, and greedy speculation equals vanilla bitwise on these weights too.
+GEMM behind torch's ``quantized.linear_dynamic_fp16`` (:class:`HalfLinear`): half the bytes of float32 per
+step on any x86 CPU, AVX2 included, where torch's bf16 and int8 kernels are slower than float32 and its int4
+kernel (bf16 activations) is slower than this one from 8 rows on (docs/BENCHMARKS.md). fbgemm cuts the rows
+of a product into blocks and runs a block of one or two rows through kernels whose sums round otherwise, so
+for some row counts (1, 2, 7, 14, 31, 32, ... on AVX2) a row's result depends on how many rows share its
+step. Which counts do is probed once per process and thread count (:func:`half_row_counts`), and a product
+of such a count runs on the next count that does not, padded with zero rows: a plain step then rounds
+exactly as the same row inside a tree step, and greedy speculation equals vanilla bitwise on these weights.
 
 Shapes: ``N`` output features, ``K`` input features, ``G = K / GROUP`` groups per row, ``T`` rows of a step.
 """
