@@ -10,7 +10,6 @@ DATA_DIR := $(abspath ../shared/data)
 ifneq ($(wildcard $(DATA_DIR)/bench),)
 export TAPS_DATA_DIR ?= $(DATA_DIR)
 endif
-export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false

@@ -40,7 +40,6 @@ from taps_ray import ray_compat
 log = logging.getLogger(__name__)
 
 RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
@@ -62,7 +61,9 @@ NATIVE_LOG_LINE = re.compile(
 
 
 def set_ray_env() -> None:
-    """Export the Ray environment defaults (values already set by the user win)."""
+    """Export the Ray environment defaults (values already set by the user win). Ray's auth mode is not one of
+    them: a local cluster keeps Ray's own default (token authentication since Ray 2.59; ``RAY_AUTH_MODE`` set
+    by the user wins), so the control plane of a cluster ``taps`` starts is never open by our choice."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
 

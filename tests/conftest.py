@@ -24,8 +24,12 @@ def pytest_configure(config):
     Serve's routers wait up to 1 s (Ray's default: 0.1 s) for a replica's queue length before passing it
     over: with both cores busy an idle replica can miss 0.1 s on every probe, and a router then sends
     everything to the replica it already knows (``test_metrics_export`` saw 24 of 24 requests go to one
-    of two ingress replicas). Every process of the tests' clusters inherits it."""
+    of two ingress replicas). Every process of the tests' clusters inherits it.
+
+    The tests' clusters run without Ray's token authentication (as CI always has; set RAY_AUTH_MODE=token to
+    run them with it); ``taps`` itself never turns it off (``tests/test_ray_utils.py``)."""
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the tests' own clusters; the product keeps Ray's default
     os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
 
 

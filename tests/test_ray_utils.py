@@ -147,3 +147,31 @@ def test_init_ray_starts_its_own_cluster_unless_told_to_join_one(monkeypatch, gi
     ray_utils.init_ray(given)
     assert len(calls) == 1 and calls[0]["address"] == expected
     assert ("num_cpus" in calls[0]) == (expected == "local")
+
+
+def test_set_ray_env_leaves_the_auth_mode_to_ray(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    ray_utils.set_ray_env()
+    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_MODE" not in ray_utils.RAY_ENV
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an operator's explicit choice still wins
+    ray_utils.set_ray_env()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+@pytest.mark.slow
+def test_a_local_cluster_taps_starts_keeps_rays_token_authentication(tmp_path):
+    """Outside the tests' own clusters nothing turns Ray's auth off: ``init_ray`` in a process without
+    RAY_AUTH_MODE starts a cluster whose workers run with token authentication, its token in Ray's default
+    place under the user's home."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env["HOME"] = str(tmp_path)
+    code = ("import os\nfrom taps_ray.ray_utils import init_ray\nray = init_ray(num_cpus=1)\n"
+            "print('worker-auth', ray.get(ray.remote(lambda: os.environ.get('RAY_AUTH_MODE')).remote()))\n"
+            "ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "worker-auth token" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
