@@ -286,7 +286,7 @@ class TargetModel:
             model, tokenizer = _load_hf(source.removeprefix("hf:"), dtype)
             gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
-        weights = _weights(cfg.weights, device, dtype, source, cfg.dtype)
+        weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
                      weights_required=cfg.weights != "auto")
         if cfg.max_context:
@@ -458,7 +458,7 @@ class TargetModel:
                 "weights": self.weights, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
-def _weights(requested: str, device: torch.device, dtype: torch.dtype, name: str, dtype_requested: str = "auto") -> str:
+def resolve_weights(requested: str, device: torch.device, dtype: torch.dtype, name: str, dtype_requested: str = "auto") -> str:
     """``target.weights`` resolved: ``auto`` by :func:`~taps_ray.models.quant.auto_weights` (``dtype_requested``:
     ``target.dtype`` as given); int4 or fp16 where its kernel cannot run here is a :class:`TargetLoadError`
     naming why."""

@@ -38,6 +38,7 @@ from taps_ray.models.target import (
     embed_hash,
     embedded_name,
     resolve_device_dtype,
+    resolve_weights,
 )
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class TargetHead:
     """What drafting (:func:`taps_ray.spec.tree.draft_tree`, :func:`taps_ray.spec.decoder.load_drafter`)
     and drafter training use of a :class:`TargetModel`, under the same attribute names.
 
-    ``tensors_read``: the checkpoint tensors read (empty after a full-model fallback).
+    ``tensors_read``: the checkpoint tensors read (empty after a full-model fallback). ``weights``: the weight
+    format the full target runs (``target.weights`` resolved); drafting for an ``fp16`` target reads the draft
+    head and the drafter's linears in half precision, as it does in-process.
     """
 
     name: str
@@ -64,6 +67,7 @@ class TargetHead:
     max_context: int
     dtype_note: str
     tensors_read: tuple[str, ...] = ()
+    weights: str = "dense"
 
     @property
     def device(self) -> torch.device:
@@ -85,7 +89,8 @@ class TargetHead:
     def of(cls, target: TargetModel) -> TargetHead:
         """The head of an already loaded full target (shares its tensors)."""
         return cls(target.name, target.config, target.tokenizer, target.embed_tokens, target.lm_head,
-                   target.fingerprint, target.eos_token_ids, target.max_context, target.dtype_note)
+                   target.fingerprint, target.eos_token_ids, target.max_context, target.dtype_note,
+                   weights=target.weights)
 
 
 def _hub_file(repo: str) -> Callable[[str], Path | None]:
@@ -224,7 +229,8 @@ def load_target_head(cfg: TargetConfig | None = None) -> TargetHead:
                                     embed_hash=embed_hash(embed_module.weight))
     read = tuple(k for k in (embed_key, head_key) if k is not None)
     head = TargetHead(source, config, tokenizer, embed_module.eval(), lm_head.eval(), fingerprint,
-                      _eos_ids(config, tokenizer), max_context, dtype_reason(device, dtype, cfg.dtype), read)
+                      _eos_ids(config, tokenizer), max_context, dtype_reason(device, dtype, cfg.dtype), read,
+                      weights=resolve_weights(cfg.weights, device, dtype, source, cfg.dtype))
     log.info("target %s: embedding and LM head (%s) loaded on %s in %.1fs, dtype %s", source, ", ".join(read),
              device, time.perf_counter() - start, head.dtype_note)
     return head

@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 import taps_ray.models.target_head as target_head
 from taps_ray.config import ExperimentConfig, TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
+from taps_ray.models.quant import fp16_unsupported
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_head import INDEX_FILE, SINGLE_FILE, TargetHead, load_target_head
 from tests.conftest import tiny_llama_config
@@ -152,6 +153,34 @@ def test_drafts_the_same_tree_as_the_full_target(tmp_path, monkeypatch):
         state.add(tokens, features)
         trees.append(draft_tree(loaded, target, state, TreeConfig(depth=3, top_k=3, total_tokens=10)))
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)
+
+
+@pytest.mark.skipif(fp16_unsupported(torch.device("cpu"), torch.float32) is not None, reason="no fbgemm fp16 GEMM here")
+def test_an_fp16_targets_head_drafts_in_half_as_the_full_target_does(tmp_path, monkeypatch):
+    """A drafter deployment of an fp16 target drafts with the draft head and its linears in half precision, the
+    same trees as in-process next to the full fp16 target."""
+    from taps_ray.models.quant import HalfLinearForward
+    from taps_ray.spec.decoder import load_drafter
+    from taps_ray.spec.tree import DrafterState, draft_tree
+
+    folder = save_target(tmp_path / "target", tied=False)
+    cfg = TargetConfig(model=str(folder), device="cpu", dtype="float32", weights="fp16")
+    reference = TargetModel.load(cfg)
+    saved = DraftHead(reference.config, seed=1).save(tmp_path / "drafter", reference.fingerprint)
+    Spy(monkeypatch)
+    head = load_target_head(cfg)
+    assert reference.weights == head.weights == "fp16" and TargetHead.of(reference).weights == "fp16"
+    tokens = torch.tensor([4, 8, 15, 16])
+    features = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0))
+    trees = []
+    for target in (reference, head):
+        loaded = load_drafter(target, str(saved))
+        state = DrafterState(loaded)
+        state.add(tokens, features)
+        trees.append(draft_tree(loaded, target, state, TreeConfig(depth=3, top_k=3, total_tokens=10)))
+        assert isinstance(loaded.fc.__dict__.get("forward"), HalfLinearForward)
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)
+    assert load_target_head(TargetConfig(model=str(folder), device="cpu", dtype="float32")).weights == "dense"
 
 
 def test_callers_load_only_the_head(tmp_path, monkeypatch):
