@@ -299,3 +299,48 @@ def test_gpu_fractions_fit_what_replicas_load():
     workers = sum(cfg.variant_train(v).num_workers for v in cfg.variants if v.name in args.variants.split(","))
     available = sum(g["maxReplicas"] * gpus(g) for _, g in walk_pods(job["rayClusterSpec"]) if gpus(g))
     assert job.get("entrypointNumGpus", 0) + workers <= available
+
+
+# -- Ray's control plane ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["rayjob-train.yaml", "rayservice.yaml"])
+def test_kuberay_clusters_run_with_rays_token_authentication(name):
+    doc = manifest(name)
+    cluster = doc["spec"][SPEC_FIELDS[doc["kind"]][1]]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert "networkpolicy.yaml" in (DEPLOYMENTS / name).read_text()
+
+
+def test_network_policy_admits_only_the_cluster_to_rays_ports():
+    """Every ingress rule that reaches Ray's GCS, dashboard / jobs API, client or metrics ports names its sources
+    (the clusters' own pods, the operator, the RayJob's submitter); the one rule open to everyone is the serve
+    port's."""
+    policy = manifest("networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/created-by": "kuberay-operator"}
+    ray_ports = {6379, 8265, 10001, 8080}
+    open_rules = []
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])} or None  # None: every port
+        if not rule.get("from"):
+            open_rules.append(ports)
+            continue
+        for source in rule["from"]:
+            assert source.get("podSelector", {}).get("matchLabels"), source
+    assert open_rules == [{8000}], open_rules
+    assert not any(ports is None or ports & ray_ports for ports in open_rules)
+    job = rayjob()["metadata"]["name"]
+    assert any(s["podSelector"]["matchLabels"].get("batch.kubernetes.io/job-name") == job
+               for rule in policy["spec"]["ingress"] for s in rule.get("from", []))
+
+
+def test_cluster_yaml_starts_ray_with_a_token_and_serve_joins_it():
+    config = yaml.safe_load(CLUSTER_YAML.read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all("RAY_AUTH_MODE=token ray start" in c for c in starts), starts
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    commands = cluster_commands()
+    assert ["ray", "get-auth-token", "--generate"] in commands
+    serve = [c for c in commands if c[1] == "exec" and "taps serve" in c[-1]]
+    assert serve and all("RAY_ADDRESS=auto" in c[-1] for c in serve), serve
