@@ -1,5 +1,6 @@
 """Checks every HTTP request passes before routing, as a pure ASGI middleware (no Ray): the Host
-allow-list (400), Serve's proxy-control headers (400, :data:`PROXY_CONTROL_HEADERS`), the API key (401, every route but ``/health`` and ``/ready``), the docs switch (404) and the
+allow-list (400), Serve's proxy-control headers (400, :data:`PROXY_CONTROL_HEADERS`), the API key (401, every
+route but the probes ``/health`` and ``/ready``, which check a key only when one is sent), the docs switch (404) and the
 body-size cap (413, counted while reading, so chunked bodies without ``Content-Length`` too) and a total
 deadline on reading the body (408: a client trickling its body cannot hold an ingress slot).
 Answers are OpenAI-shaped error bodies (:func:`~taps_ray.serving.protocol.error_body`)."""
@@ -21,7 +22,8 @@ from taps_ray.serving.protocol import error_body
 
 ENV_KEYS = "TAPS_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready"})
-"""Probe routes: liveness and readiness answer without a key (they say nothing but up or down)."""
+"""Probe routes: liveness and readiness answer without a key, saying nothing but up or down (``/ready`` shows
+which components are up only to a request with a valid key, when the server has keys)."""
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 KEY_STATE = "taps_key"
 """The request-scope state entry naming the API key a request authenticated with (its fingerprint)."""
@@ -173,7 +175,7 @@ class AccessGuard:
             if name in headers:
                 return _error(400, f"{name}: this header is not accepted here (the server sets request timeouts "
                                    f"and cancels a request whose client disconnects)", name, "header_not_allowed")
-        if policy.api_keys and path not in OPEN_PATHS:
+        if policy.api_keys and (path not in OPEN_PATHS or "authorization" in headers):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 return _unauthorized("Authorization: missing API key; send the header 'Authorization: Bearer <key>'")

@@ -195,6 +195,7 @@ class Ingress:
         self.cfg = ServeConfig(**serve_cfg)
         keys = access.resolve_api_keys(api_keys or ())
         access.configure(access.AccessPolicy.from_config(self.cfg, keys))
+        self.keyed = bool(keys)
         if not keys:
             log.warning("no API keys configured (serve.api_keys, --api-key, %s): the endpoint is open to anyone "
                         "who can reach it", access.ENV_KEYS)
@@ -254,11 +255,14 @@ class Ingress:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready(self):
+    async def ready(self, http: Request):
         """Readiness: whether the verifier and each drafter have a running replica (from the Serve
         controller, not through their request queues). 503 without a verifier; ``degraded`` (200) when
-        a drafter is down, since the verifier then decodes without it and the output is unchanged."""
+        a drafter is down, since the verifier then decodes without it and the output is unchanged. With API
+        keys set, a probe without a key gets the status alone; the per-component report needs a key."""
         report = await self._ready.get(self._readiness)
+        if self.keyed and access.request_key(http.scope) is None:
+            report = {"status": report["status"]}
         if report["status"] == "not_ready":
             return JSONResponse(report, status_code=503, headers=self._retry_after)
         return report

@@ -244,6 +244,8 @@ def test_health_does_not_ask_the_verifier_and_ready_leaks_nothing(serve_app, mon
     monkeypatch.setattr(ingress.Ingress.__mro__[1], "running_replicas", no_controller)
     assert call("GET", "/health")[:3:2] == (200, {"status": "ok"})
     status, headers, data = call("GET", "/ready")
+    assert status == 503 and headers["retry-after"] == "1" and data == {"status": "not_ready"}
+    status, headers, data = call("GET", "/ready", headers={"authorization": f"Bearer {KEY}"})
     assert status == 503 and headers["retry-after"] == "1"
     assert data == {"status": "not_ready", "verifier": "down", "drafters": {"a": "down", "b": "down", "c": "down"}}
 
@@ -625,6 +627,31 @@ def test_health_is_ok_while_the_verifier_is_busy_and_ready_reports_components(se
     assert call("GET", "/health")[:3:2] == (200, {"status": "ok"})
     assert call("GET", "/ready")[:3:2] == (200, {"status": "degraded", "verifier": "up",
                                                  "drafters": {"a": "up", "b": "down", "c": "up"}})
+
+
+def test_with_keys_ready_tells_a_keyless_probe_the_status_alone(serve_app, monkeypatch):
+    """Probes need no key; which drafters are up is for key holders; a wrong key on a probe route is still 401."""
+    call = serve_app(keys=["k1"])
+    running = {"Verifier": 1, "Drafter_a": 1, "Drafter_b": 0, "Drafter_c": 1}
+
+    async def replicas(self):
+        return running
+
+    monkeypatch.setattr(ingress.Ingress.__mro__[1], "running_replicas", replicas)
+    assert call("GET", "/ready")[:3:2] == (200, {"status": "degraded"})
+    assert call("GET", "/health")[:3:2] == (200, {"status": "ok"})
+    full = call("GET", "/ready", headers={"authorization": "Bearer k1"})
+    assert full[:3:2] == (200, {"status": "degraded", "verifier": "up", "drafters": {"a": "up", "b": "down", "c": "up"}})
+    assert_error(call("GET", "/ready", headers={"authorization": "Bearer nope"}), 401, "Authorization")
+    assert call("GET", "/metrics")[0] == 401
+    running.pop("Verifier")
+    ingress.READY_CACHE_S, cache = 0.0, ingress.READY_CACHE_S
+    try:
+        call = serve_app(keys=["k1"])
+        status, _, body = call("GET", "/ready")
+    finally:
+        ingress.READY_CACHE_S = cache
+    assert (status, body) == (503, {"status": "not_ready"})
 
 
 def test_readiness_report():
