@@ -134,25 +134,32 @@ def test_fingerprint_agrees_across_dtypes(tmp_path, monkeypatch):
     assert head.dtype == torch.bfloat16 and head.fingerprint == reference.fingerprint
 
 
-def test_drafts_the_same_tree_as_the_full_target(tmp_path, monkeypatch):
+def assert_same_trees(tmp_path, monkeypatch, cfg: TargetConfig) -> list:
+    """Save a drafter for the full target of ``cfg``, draft one tree next to it and next to ``cfg``'s head alone
+    (only the embedding read), assert the trees are equal; returns the two drafters as loaded."""
     from taps_ray.spec.decoder import load_drafter
     from taps_ray.spec.tree import DrafterState, draft_tree
 
-    folder = save_target(tmp_path / "target", tied=False)
-    reference = full(folder)
-    drafter = DraftHead(reference.config, seed=1).eval()
-    saved = drafter.save(tmp_path / "drafter", reference.fingerprint)
+    reference = TargetModel.load(cfg)
+    saved = DraftHead(reference.config, seed=1).eval().save(tmp_path / "drafter", reference.fingerprint)
     Spy(monkeypatch)
-    head = load_target_head(TargetConfig(model=str(folder), device="cpu", dtype="float32"))
+    head = load_target_head(cfg)
+    assert head.weights == reference.weights and TargetHead.of(reference).weights == reference.weights
     tokens = torch.tensor([4, 8, 15, 16])
     features = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0))
-    trees = []
+    trees, drafters = [], []
     for target in (reference, head):
-        loaded = load_drafter(target, str(saved))
-        state = DrafterState(loaded)
+        drafters.append(load_drafter(target, str(saved)))
+        state = DrafterState(drafters[-1])
         state.add(tokens, features)
-        trees.append(draft_tree(loaded, target, state, TreeConfig(depth=3, top_k=3, total_tokens=10)))
+        trees.append(draft_tree(drafters[-1], target, state, TreeConfig(depth=3, top_k=3, total_tokens=10)))
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)
+    return drafters
+
+
+def test_drafts_the_same_tree_as_the_full_target(tmp_path, monkeypatch):
+    folder = save_target(tmp_path / "target", tied=False)
+    assert_same_trees(tmp_path, monkeypatch, TargetConfig(model=str(folder), device="cpu", dtype="float32"))
 
 
 @pytest.mark.skipif(fp16_unsupported(torch.device("cpu"), torch.float32) is not None, reason="no fbgemm fp16 GEMM here")
@@ -160,26 +167,12 @@ def test_an_fp16_targets_head_drafts_in_half_as_the_full_target_does(tmp_path, m
     """A drafter deployment of an fp16 target drafts with the draft head and its linears in half precision, the
     same trees as in-process next to the full fp16 target."""
     from taps_ray.models.quant import HalfLinearForward
-    from taps_ray.spec.decoder import load_drafter
-    from taps_ray.spec.tree import DrafterState, draft_tree
 
     folder = save_target(tmp_path / "target", tied=False)
     cfg = TargetConfig(model=str(folder), device="cpu", dtype="float32", weights="fp16")
-    reference = TargetModel.load(cfg)
-    saved = DraftHead(reference.config, seed=1).save(tmp_path / "drafter", reference.fingerprint)
-    Spy(monkeypatch)
-    head = load_target_head(cfg)
-    assert reference.weights == head.weights == "fp16" and TargetHead.of(reference).weights == "fp16"
-    tokens = torch.tensor([4, 8, 15, 16])
-    features = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0))
-    trees = []
-    for target in (reference, head):
-        loaded = load_drafter(target, str(saved))
-        state = DrafterState(loaded)
-        state.add(tokens, features)
-        trees.append(draft_tree(loaded, target, state, TreeConfig(depth=3, top_k=3, total_tokens=10)))
-        assert isinstance(loaded.fc.__dict__.get("forward"), HalfLinearForward)
-    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)
+    drafters = assert_same_trees(tmp_path, monkeypatch, cfg)
+    assert load_target_head(cfg).weights == "fp16"
+    assert all(isinstance(d.fc.__dict__.get("forward"), HalfLinearForward) for d in drafters)
     assert load_target_head(TargetConfig(model=str(folder), device="cpu", dtype="float32")).weights == "dense"
 
 
