@@ -106,7 +106,6 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-
     from taps_ray.config import TreeConfig
     from taps_ray.data.contamination import union_trained_prompts
     from taps_ray.eval import bench

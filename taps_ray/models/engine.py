@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, half_row_counts, quantize_rtn
+from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, half_rows, quantize_rtn
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
@@ -305,10 +305,7 @@ class StaticEngine:
     def _rows(self, total: int) -> int:
         """The row count a forward of ``total`` tokens runs its products on: ``total``, or for fp16 weights the
         next count whose rows round as in any other (:func:`~taps_ray.models.quant.half_row_counts`)."""
-        if self.weights != "fp16":
-            return total
-        counts = half_row_counts()
-        return counts[total] if total < len(counts) else total
+        return half_rows(total) if self.weights == "fp16" else total
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)

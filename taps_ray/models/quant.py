@@ -268,8 +268,7 @@ class HalfLinear:
             raise RuntimeError("the target's weights changed after they were packed to fp16; reload the target "
                                "(or use target.weights=dense)")
         rows = x.shape[0]
-        counts = half_row_counts()
-        padded = counts[rows] if rows < len(counts) else rows
+        padded = half_rows(rows)
         if padded > rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)[:rows]
@@ -319,6 +318,12 @@ def read_linears_in_half(module: torch.nn.Module) -> None:
 
 
 _row_counts: dict[int, list[int]] = {}
+
+
+def half_rows(rows: int) -> int:
+    """The row count a fp16 product of ``rows`` rows runs on (:func:`half_row_counts`; unpadded beyond the probe)."""
+    counts = half_row_counts()
+    return counts[rows] if rows < len(counts) else rows
 
 
 def half_row_counts() -> list[int]:
