@@ -18,10 +18,24 @@ def add_generate(parser: argparse.ArgumentParser) -> None:
                         help="vanilla, single, averaged[:ALPHA], routed:confidence[:step|:request], "
                              "routed:entropy[:step|:request], merged:union, merged:budget (K >= 2 via --drafter)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop sequence (repeatable): the output ends before the first one generated")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: config sampling)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (else the text as it is decoded)")
+
+
+class _Printer:
+    """A step observer that writes the decoded text to stdout as the loop commits it."""
+
+    def __init__(self):
+        self.printed = 0
+
+    def on_step(self, tokens: list[int], text: str) -> None:
+        if text:
+            print(text, end="", flush=True)
+            self.printed += len(text)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -36,15 +50,18 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise UserError("--prompt is empty")
+    if not all(args.stop):
+        raise UserError("--stop takes a non-empty text")
     target = TargetModel.load(cfg.target)
     drafters = load_drafters(target, args.drafter, cfg.drafter.seed) if args.strategy != "vanilla" else []
+    printer = None if args.json else _Printer()
     result = generate(target, args.prompt, build_strategy(args.strategy, drafters, cfg.tree), sampling,
-                      args.max_new_tokens)
+                      args.max_new_tokens, stop=args.stop or None, observer=printer)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print(result.text)
-        print(f"[{result.strategy}] {len(result.token_ids)} tokens, {len(result.steps)} steps, "
+        print((result.text or "")[printer.printed:])
+        print(f"[{result.strategy}, {result.finish_reason}] {len(result.token_ids)} tokens, {len(result.steps)} steps, "
               f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tok/s", file=sys.stderr)
     return 0
 

@@ -67,15 +67,15 @@ def request_prompt_hash(prompt, tokenizer) -> str:
     return prompt_hash(tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids)))
 
 
-def step_labels(steps: list, records: list | None) -> list[dict]:
-    """Per step of a served request: ``route`` (the drafter that won; None unless routed), ``answered``,
-    ``accepted`` and ``signals`` (each drafter's routing signal, when the tree's meta has them) from the
-    strategy's step infos and the loop's step records (None when the loop was stopped)."""
+def step_labels(records: list) -> list[dict]:
+    """Per step of a served request, from the loop's step records: ``route`` (the drafter that won; None
+    unless routed), ``answered`` (the drafters whose tree arrived), ``accepted`` and ``signals`` (each
+    drafter's routing signal, when the tree's meta has them)."""
     out = []
-    for i, step in enumerate(steps):
-        meta = records[i].meta if records is not None and i < len(records) else None
-        signals = (meta or {}).get("signals")
-        out.append({"route": step.route, "answered": list(step.answered), "accepted": step.accepted,
+    for record in records:
+        signals = record.meta.get("signals")
+        out.append({"route": record.meta.get("route"), "answered": list(record.meta.get("answered", [])),
+                    "accepted": record.accepted,
                     "signals": None if signals is None else [round(float(v), 6) for v in signals]})
     return out
 

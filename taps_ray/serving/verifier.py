@@ -234,11 +234,11 @@ class Verifier:
                                 capture, self.budget(request.plan), self.cost_info())
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
-                                  session.on_tokens, cancel, expires, self.cfg.route_probe_steps,
-                                  self.cfg.route_recheck_every, self.tree, self._support(request.plan, deadline),
-                                  self.node_budget if self.cfg.batch_max_tokens else None)
+                                  self.cfg.route_probe_steps, self.cfg.route_recheck_every, self.tree,
+                                  self._support(request.plan, deadline))
         try:
-            stopped = session.run(ids, strategy, sampling, max_tokens)
+            stopped = session.run(ids, strategy, sampling, max_tokens, cancel, expires,
+                                  self.node_budget if self.cfg.batch_max_tokens else None)
         finally:
             if any("vocabulary" in counts for counts in strategy.skips.values()):
                 self._supports.pop(frozenset(request.plan.drafters), None)

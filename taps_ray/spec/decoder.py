@@ -11,8 +11,9 @@ comparable. Drafter alignment (EAGLE): the drafter consumes pairs ``(token_{i+1}
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,6 +25,7 @@ from taps_ray.spec.cost import BatchLoad, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
+from taps_ray.spec.text import TextStream
 from taps_ray.spec.tree import DraftTree, check_distinct_siblings, repeated_siblings
 from taps_ray.spec.verify import (
     Verdict,
@@ -39,8 +41,9 @@ RANDOM_DRAFTER = "random:"
 
 @dataclass
 class GenerationResult:
-    """``token_ids`` generated (EOS kept when hit), ``finish_reason`` eos | length | context;
-    ``logprobs`` (only when asked): each generated token's raw log-probability under the target and
+    """``token_ids`` generated (EOS kept when hit; up to the token that completed a stop sequence),
+    ``finish_reason`` eos | length | context | stop | cancelled | timeout; ``text`` (with a tokenizer) ends
+    before a stop sequence; ``logprobs`` (only when asked): each generated token's raw log-probability under the target and
     the top alternatives (:mod:`taps_ray.spec.logprobs`), on the CPU."""
 
     token_ids: list[int]
@@ -140,6 +143,24 @@ def prompt_ids(target: TargetModel, prompt) -> torch.Tensor:
     return ids.to(target.device)
 
 
+class StepObserver(Protocol):
+    """Sees what the decode loop commits, as it commits it, and may end the loop.
+
+    ``on_step`` gets the token ids committed since its last call (the first token after the prefill, then
+    each step's kept tokens, cut after the token that completes a stop sequence) and the text they made
+    safe to send (:class:`~taps_ray.spec.text.TextStream`: held back while it may still grow into a stop
+    sequence or is an incomplete character); it returns a finish reason to end the loop after them, or None.
+    """
+
+    def on_step(self, tokens: list[int], text: str) -> str | None: ...
+
+
+class Cancel(Protocol):
+    """A cancellation flag (``threading.Event`` is one)."""
+
+    def is_set(self) -> bool: ...
+
+
 def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
@@ -162,6 +183,11 @@ class _Request:
     feature_sink: list[torch.Tensor] | None = None
     budget: TreeBudget | None = None
     load: BatchLoad | None = None
+    text: TextStream | None = None
+    observer: StepObserver | None = None
+    cancel: Cancel | None = None
+    deadline: float | None = None
+    node_limit: Callable[[], int] | None = None
     path: torch.Tensor | None = None
     prompt_len: int = 0
     length: int = 0
@@ -206,6 +232,11 @@ def generate(
     on_logprobs: Callable[[TokenLogprobs], None] | None = None,
     feature_sink: list[torch.Tensor] | None = None,
     budget: TreeBudget | None = None,
+    stop: Sequence[str] | None = None,
+    observer: StepObserver | None = None,
+    cancel: Cancel | None = None,
+    deadline: float | None = None,
+    node_limit: Callable[[], int] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
 
@@ -235,12 +266,22 @@ def generate(
     drafting does not pay. On a target with a ``batch_load`` (:class:`~taps_ray.spec.batch.BatchingTarget`)
     it counts the other requests of the batch. It changes what is verified, never what is accepted.
 
+    The loop owns every way a request ends early: ``stop`` (stop sequences; needs the target's tokenizer)
+    ends it after the token that completes one (finish ``stop``; the text ends before it); ``cancel`` (a
+    flag, checked before each step) ends it with ``cancelled``; ``deadline`` (``time.monotonic()``) with
+    ``timeout``; ``observer`` (:class:`StepObserver`) sees each step's tokens and text and may end it with a
+    reason of its own. ``node_limit`` (None: none) gives, each step, the most nodes the tree to verify may
+    have (a batch's load): a larger tree is cut to its best-scored nodes (:meth:`DraftTree.top`, counted in
+    the step's ``shed``) and a limit of 1 decodes the step plainly without drafting (``load_plain``).
+
     The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
     :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
     :func:`_result`.
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
     request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
+    request.observer, request.cancel, request.deadline, request.node_limit = observer, cancel, deadline, node_limit
+    request.text = _text_stream(target, stop, observer)
     budget = budget if budget is not None else getattr(request.strategy, "tree_budget", None)
     if budget is not None and not isinstance(request.strategy, VanillaStrategy):
         request.budget = budget.bind(target)
@@ -250,7 +291,7 @@ def generate(
         finish = _prefill(request, ids)
         prefill_s = timer() - start
         while finish is None:
-            finish = _step(request)
+            finish = _interrupted(request) or _step(request)
     finally:
         if request.load is not None:
             request.load.drop(id(request))
@@ -275,6 +316,44 @@ def _setup(target: TargetModel, prompt, strategy: Strategy | None, sampling: Sam
     return _Request(target, strategy, sampling, max_new_tokens, eos, generator, collect_entropy, timer), ids
 
 
+def _text_stream(target: TargetModel, stop: Sequence[str] | None, observer: StepObserver | None) -> TextStream | None:
+    """The request's text stream: one when it has stop sequences or an observer (and the target a tokenizer)."""
+    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+    if stop and target.tokenizer is None:
+        raise ValueError("stop sequences need the target's tokenizer; this target has none")
+    if target.tokenizer is None or not (stop or observer is not None):
+        return None
+    return TextStream(target.tokenizer, list(stop or []))
+
+
+def _interrupted(request: _Request) -> str | None:
+    """``cancelled`` or ``timeout`` when the request's flag is set or its deadline has passed."""
+    if request.cancel is not None and request.cancel.is_set():
+        return "cancelled"
+    if request.deadline is not None and time.monotonic() > request.deadline:
+        return "timeout"
+    return None
+
+
+def _observe(request: _Request, start: int) -> str | None:
+    """Hand the tokens committed at ``start .. length - 1`` to the text stream and the observer; at a stop
+    sequence, cut ``length`` after the token that completed it. The finish reason when the request ends."""
+    text, observer = request.text, request.observer
+    if text is None and observer is None:
+        return None
+    ids = request.tokens[start:request.length].tolist()
+    delta = ""
+    if text is not None:
+        before = text.used
+        delta = text.push(ids)
+        if text.hit:
+            ids = ids[:text.used - before]
+            request.length = start + len(ids)
+    reason = observer.on_step(ids, delta) if observer is not None else None
+    return "stop" if text is not None and text.hit else reason
+
+
 def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     """Prefill the prompt, choose the first token and start the strategy; the finish reason when that
     token already ends the request."""
@@ -289,6 +368,8 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     tokens[prompt_len:prompt_len + 1] = request.choose(out.logits[0, -1:])
     request.length = prompt_len + 1
     request.record_logprobs(out.logits[0, -1:], tokens[prompt_len:prompt_len + 1])
+    if (reason := _observe(request, prompt_len)) is not None:
+        return reason
     if bool(torch.isin(tokens[prompt_len], request.eos)):
         return "eos"
     if max_new_tokens == 1:
@@ -306,9 +387,13 @@ def _step(request: _Request) -> str | None:
     t0, wall = request.timer(), time.perf_counter()
     budget, tree = request.budget, None
     others = request.load.others(id(request)) if request.load is not None else (0, 0)
-    if budget is None or budget.should_draft(others):
-        tree = request.strategy.propose(DecodeState(request.tokens[:request.length], r, request.prompt_len,
-                                                    len(request.steps)))
+    limit = None if request.node_limit is None else max(1, request.node_limit())
+    state = DecodeState(request.tokens[:request.length], r, request.prompt_len, len(request.steps))
+    limited = {"shed": 0, "load_plain": limit == 1}
+    if limit != 1 and (budget is None or budget.should_draft(others)):
+        tree = request.strategy.propose(state)
+        if tree is not None and limit is not None and tree.size > limit:
+            limited["shed"], tree = tree.size - limit, tree.top(limit)
         if budget is not None and tree is not None:
             tree = budget.choose(tree, time.perf_counter() - wall, others)
     t1, verify_wall = request.timer(), time.perf_counter()
@@ -317,6 +402,9 @@ def _step(request: _Request) -> str | None:
         new, features, rows, record = _plain_step(request, r)
     else:
         new, features, rows, record = _tree_step(request, tree, r)
+    record.update(limited)
+    if state.notes:
+        record["meta"] = {**record.get("meta", {}), **state.notes}
     if budget is not None:
         done = time.perf_counter()
         verify_s, other_rows = done - verify_wall, others[0]
@@ -378,18 +466,23 @@ def _tree_step(request: _Request, tree: DraftTree,
 def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: torch.Tensor | None,
             record: dict, t0: float, t1: float) -> str | None:
     """Append ``new`` up to its first EOS and the token budget (and the logprobs of those from
-    ``rows``), record the step, and advance the strategy; the finish reason (eos | length) when the
-    request ends here."""
+    ``rows``), hand them to the observer (:func:`_observe`, which cuts them at a stop sequence), record the
+    step, and advance the strategy; the finish reason when the request ends here."""
     is_eos = torch.isin(new, request.eos)
     first_eos = int(torch.where(is_eos.any(), is_eos.int().argmax(), new.numel()))
-    keep = min(new.numel(), request.max_new_tokens - (request.length - request.prompt_len), first_eos + 1)
-    request.tokens[request.length:request.length + keep] = new[:keep]
+    start = request.length
+    keep = min(new.numel(), request.max_new_tokens - (start - request.prompt_len), first_eos + 1)
+    request.tokens[start:start + keep] = new[:keep]
     request.length += keep
-    if request.feature_sink is not None:
-        request.feature_sink.append(features[:keep])
     if rows is not None:
         request.record_logprobs(rows[:keep], new[:keep])
+    reason = _observe(request, start)
+    keep = request.length - start
+    if request.feature_sink is not None:
+        request.feature_sink.append(features[:keep])
     request.steps.append(StepRecord(appended=keep, draft_s=t1 - t0, verify_s=request.timer() - t1, **record))
+    if reason is not None:
+        return reason
     if first_eos < new.numel() and keep == first_eos + 1:
         return "eos"
     if request.length - request.prompt_len >= request.max_new_tokens:
@@ -401,8 +494,13 @@ def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: 
 def _result(request: _Request, finish: str, prefill_s: float, total_s: float) -> GenerationResult:
     target, prompt_len = request.target, request.prompt_len
     generated = request.tokens[prompt_len:request.length].tolist()
-    text = target.tokenizer.decode(generated, skip_special_tokens=True) if target.tokenizer is not None else None
-    logprobs = None if request.top is None else TokenLogprobs.cat(request.logprobs, request.top).cpu()
+    if request.text is not None:
+        text = request.text.text
+    else:
+        text = target.tokenizer.decode(generated, skip_special_tokens=True) if target.tokenizer is not None else None
+    logprobs = None
+    if request.top is not None:
+        logprobs = TokenLogprobs.cat(request.logprobs, request.top)[:len(generated)].cpu()
     return GenerationResult(token_ids=generated, text=text, prompt_len=prompt_len, finish_reason=finish,
                             strategy=request.strategy.name, prefill_s=prefill_s, total_s=total_s,
                             steps=request.steps, logprobs=logprobs)

@@ -7,7 +7,7 @@ Composed strategies (averaged, routed, merged) live in :mod:`taps_ray.spec.compo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,12 +25,15 @@ class DecodeState:
 
     ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
     cache), so ``prefix_len == L - 1`` is the root's position; ``step`` counts verifications.
+    ``notes``: what the strategy wants kept about this step (who answered, what was skipped); the loop
+    puts it in the step record's ``meta``.
     """
 
     tokens: torch.Tensor
     prefix_len: int
     prompt_len: int
     step: int
+    notes: dict = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -1,8 +1,8 @@
 """Per-step records and the one definition of tau, per-depth acceptance and entropy summaries.
 
 A step is one target verification; it appends its accepted draft tokens plus the bonus token,
-trimmed after EOS, at ``max_new_tokens`` and, in serving, at the end of a stop sequence
-(:func:`stop_trimmed`). The first token (from the prefill) is not a step.
+trimmed after EOS, at ``max_new_tokens`` and after the token that completes a stop sequence (the decode
+loop trims them). The first token (from the prefill) is not a step.
 tau = appended tokens / steps over a set of steps (micro average, :func:`acceptance_length`);
 ``tau_per_question`` is the mean of per-question tau (:func:`mean_tau`).
 
@@ -36,7 +36,9 @@ class StepRecord:
     the draft and target (temperature 1) distributions each accepted token was drawn from /
     verified against; ``rejected_*`` the same for the rejected token (the first tried child at the
     first failing depth), NaN when the accepted path ended at a leaf. Tensors are kept as tensors
-    until summarised so the decode loop never syncs for them. ``meta`` holds strategy decisions.
+    until summarised so the decode loop never syncs for them. ``shed``: nodes cut from the proposed tree
+    to fit the step's node limit; ``load_plain``: the limit made the step plain without drafting. ``meta``
+    holds strategy decisions (the tree's meta and the strategy's step notes, ``DecodeState.notes``).
     """
 
     accepted: int
@@ -50,6 +52,8 @@ class StepRecord:
     target_entropy: torch.Tensor | None = None
     rejected_draft_entropy: torch.Tensor | None = None
     rejected_target_entropy: torch.Tensor | None = None
+    shed: int = 0
+    load_plain: bool = False
     meta: dict = field(default_factory=dict)
 
     def outcome(self) -> list[bool]:
@@ -88,18 +92,6 @@ def mean_tau(taus: Iterable[float | None]) -> float:
     left out (NaN when none is left)."""
     values = [t for t in taus if t is not None and not math.isnan(t)]
     return sum(values) / len(values) if values else _NAN
-
-
-def stop_trimmed(appended: Sequence[int], kept: int) -> list[int]:
-    """Per-step appended counts [S] when only the first ``kept`` of the tokens the steps appended stay in
-    the output (a stop sequence ended it there): each step keeps its tokens before the cut."""
-    if kept < 0:
-        raise ValueError(f"kept must be >= 0, got {kept}")
-    out = []
-    for n in appended:
-        out.append(min(n, kept))
-        kept -= out[-1]
-    return out
 
 
 @dataclass

@@ -4,6 +4,7 @@ composition equal to the in-process strategies, faults, concurrency, routing and
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -13,10 +14,10 @@ import torch
 
 from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import Drafter, DraftSessions, SessionAffinityRouter
-from taps_ray.serving.drafting import RemoteStrategy, StopGeneration, plan_support
+from taps_ray.serving.drafting import RemoteStrategy, plan_support
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
-from taps_ray.serving.session import TextStream, summarize
+from taps_ray.serving.session import summarize
 from taps_ray.serving.verifier import Verifier
 from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.compose import build_strategy
@@ -149,7 +150,7 @@ def test_remote_composition_equals_in_process_compose(request, bigram, team, nam
     for mine, theirs in zip(result.steps, expected.steps):
         for key in ("route", "decision", "probe", "union_size", "verified_size"):
             assert mine.meta.get(key) == theirs.meta.get(key), key
-    summary = summarize(strategy.plan, strategy.steps, strategy.skip_counts, 0.0, 1.0, result.steps)
+    summary = summarize(strategy.plan, result.steps, strategy.skip_counts, 0.0, 1.0)
     assert summary["steps"] == len(result.steps) and summary["accepted_tokens"] == sum(result.accept_lengths)
     if name.startswith("routed"):
         assert sum(summary["route_decisions"].values()) == len(result.steps)
@@ -303,19 +304,14 @@ def test_a_stop_sequence_trims_the_appended_count_of_its_step(bigram, drafters):
     appended = [s.appended for s in reference.steps]
     cut = next(i for i, n in enumerate(appended[:-1]) if n >= 2)
     kept = 1 + sum(appended[:cut]) + 1
-    seen = []
-
-    def on_tokens(tokens: list[int]) -> None:
-        seen.extend(tokens)
-        if len(seen) >= kept:
-            raise StopGeneration("stop")
-
-    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)])}
+    counted = copy.copy(bigram)
+    counted.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x" * len(ids))
+    clients = {"even": LocalClient([DraftSessions(counted, drafters["even"], TREE)])}
     strategy = RemoteStrategy("r", resolve_plan("single", ["even"], serve_cfg(["even"])), clients, 10.0,
-                              TREE.total_tokens, on_tokens)
-    with pytest.raises(StopGeneration):
-        generate(bigram, prompt, strategy, max_new_tokens=NEW)
-    summary = summarize(strategy.plan, strategy.steps, strategy.skip_counts, None, 1.0, completion_tokens=kept)
+                              TREE.total_tokens)
+    result = generate(counted, prompt, strategy, max_new_tokens=NEW, stop=["x" * kept])
+    assert result.finish_reason == "stop" and result.token_ids == reference.token_ids[:kept]
+    summary = summarize(strategy.plan, result.steps, strategy.skip_counts, None, 1.0)
     assert summary["steps"] == cut + 1
     assert summary["tau"] == pytest.approx((sum(appended[:cut]) + 1) / (cut + 1))
     assert summary["accept_lengths"] == reference.accept_lengths[:cut + 1]
@@ -365,28 +361,26 @@ def test_lookup_drafts_alone_when_no_drafter_answers_and_stays_lossless(bigram, 
     assert max(s.accepted for s in result.steps) == 5 and len(result.steps) < 40
 
 
-def test_a_node_budget_cuts_each_tree_to_its_best_nodes_and_one_node_decodes_plainly(bigram, drafters):
-    """Budget 4 for 5 steps, then 1 for 5, then none: the cut trees are the full trees' top 4 nodes, the
-    budget-1 steps are plain and ask no drafter (the next call catches the session up), every cut is
-    counted in the taps block, and the output stays the target's."""
+def test_a_node_budget_cuts_each_tree_and_one_node_decodes_plainly_without_asking(bigram, drafters):
+    """Budget 4 for 5 steps, then 1 for 5, then none (the decode loop's node limit): the drafters' trees are
+    the full trees (the loop cuts them), the budget-1 steps are plain and ask no drafter (the next call
+    catches the session up), every cut is counted in the taps block, and the output stays the target's."""
     prompt = random_prompt(bigram, 6, 2)
     vanilla = generate(bigram, prompt, max_new_tokens=NEW)
     budgets = iter([4] * 5 + [1] * 5)
     plan = resolve_plan("single", ["even"], serve_cfg(["even"]))
     clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)])}
-    strategy = RecordingRemote("r", plan, clients, 10.0, TREE.total_tokens,
-                               node_budget=lambda: next(budgets, 1000))
-    result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+    strategy = RecordingRemote("r", plan, clients, 10.0, TREE.total_tokens)
+    result = generate(bigram, prompt, strategy, max_new_tokens=NEW, node_limit=lambda: next(budgets, 1000))
     assert result.token_ids == vanilla.token_ids
     sizes = [step.tree_size for step in result.steps]
     assert sizes[:5] == [4] * 5 and sizes[5:10] == [1] * 5 and max(sizes[10:]) > 4
     assert clients["even"].calls == len(sizes) - 5, "a budget of one node must not ask the drafters"
-    for i, prefix in enumerate(strategy.trees):
-        full = fresh_tree(bigram, drafters["even"], strategy.prefixes[prefix])
-        assert same_tree(full.top(4) if i < 5 else full, strategy.trees[prefix])
-    taps = summarize(plan, strategy.steps, strategy.skip_counts, 0.0, 1.0, result.steps)
+    for prefix, tree in strategy.trees.items():
+        assert same_tree(fresh_tree(bigram, drafters["even"], strategy.prefixes[prefix]), tree)
+    taps = summarize(plan, result.steps, strategy.skip_counts, 0.0, 1.0)
     assert taps["shrunk_steps"] == 10 and taps["plain_steps"] == 5
-    assert taps["shed_draft_tokens"] == sum(info.shed for info in strategy.steps) == 5 * (TREE.total_tokens - 4)
+    assert taps["shed_draft_tokens"] == sum(s.shed for s in result.steps) == 5 * (TREE.total_tokens - 4)
     strategy.close()
 
 
@@ -553,24 +547,3 @@ def test_resolve_plan_errors_name_the_field(strategy, drafters, param, message):
     with pytest.raises(RequestError, match=message) as err:
         resolve_plan(strategy, drafters, cfg)
     assert err.value.param == param and err.value.status == 400
-
-
-class CharTokenizer:
-    """Token id i decodes to chr(i); id 0 stands for half of a multi-byte character."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join("\ufffd" if i == 0 else chr(i) for i in ids)
-
-
-def test_text_stream_holds_back_possible_stops_and_partial_characters():
-    stream = TextStream(CharTokenizer(), ["END"])
-    assert stream.push([ord(c) for c in "abcE"]) == "abc"
-    assert stream.push([ord("N")]) == ""
-    assert stream.push([ord("x")]) == "ENx"
-    assert stream.push([ord(c) for c in "yENDzz"]) == "y"
-    assert stream.hit and stream.text == "abcENxy" and stream.used == 10 and stream.push([65]) == ""
-    assert stream.flush() == ""
-    partial = TextStream(CharTokenizer())
-    assert partial.push([ord("a"), 0]) == "a" and partial.flush() == "\ufffd"
-    plain = TextStream(CharTokenizer())
-    assert plain.push([ord("h"), ord("i")]) == "hi" and plain.flush() == "" and plain.used == 2

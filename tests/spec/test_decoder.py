@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
+import time
 
 import pytest
 import torch
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
+from taps_ray.spec import decoder
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy, Strategy, VanillaStrategy
@@ -19,7 +22,6 @@ from taps_ray.spec.stats import (
     acceptance_length,
     depth_counts,
     mean_tau,
-    stop_trimmed,
     summarize,
     tau,
 )
@@ -184,12 +186,139 @@ def test_tau_and_per_depth_definitions():
     assert metrics.per_depth_acceptance == pytest.approx([4 / 5, 1.0, 2 / 3]) and metrics.depth.leaf == [0, 1, 0]
 
 
-def test_mean_tau_and_stop_trimming():
+def test_mean_tau():
     assert mean_tau([2.0, None, math.nan, 4.0]) == 3.0 and math.isnan(mean_tau([None]))
     assert math.isnan(acceptance_length(0, 0)) and acceptance_length(7, 2) == 3.5
-    assert stop_trimmed([3, 4, 2], 5) == [3, 2, 0] and stop_trimmed([1, 2], 10) == [1, 2]
-    with pytest.raises(ValueError, match="kept must be >= 0, got -1"):
-        stop_trimmed([1], -1)
+
+
+class SpacedIds:
+    """A tokenizer whose text is the ids joined by spaces."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture
+def spelled(peaky_target):
+    target = copy.copy(peaky_target)
+    target.tokenizer = SpacedIds()
+    return target
+
+
+def oracle(target, prompt: torch.Tensor, new: int) -> OracleStrategy:
+    """An oracle strategy over the target's own greedy continuation of ``prompt``."""
+    reference = generate(target, prompt, max_new_tokens=new).token_ids
+    return OracleStrategy(torch.cat([prompt, torch.tensor(reference)]), target.vocab_size, depth=4, seed=1)
+
+
+class Seen:
+    """A step observer that keeps what it is handed and ends the loop after ``end_after`` calls."""
+
+    def __init__(self, end_after: int | None = None, reason: str = "mine"):
+        self.tokens, self.texts, self.calls, self.end_after, self.reason = [], [], 0, end_after, reason
+
+    def on_step(self, tokens, text):
+        self.tokens.append(tokens)
+        self.texts.append(text)
+        self.calls += 1
+        return self.reason if self.calls == self.end_after else None
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_stop_sequence_ends_the_loop_after_the_token_that_completes_it(spelled, spec):
+    """The loop cuts the output after the token that completes the stop sequence, its text before it, and the
+    last step's appended count to the tokens it kept; speculative and plain decoding end at the same token."""
+    prompt = random_prompt(spelled, 6, 3)
+    full = generate(spelled, prompt, max_new_tokens=40)
+    stop = " ".join(map(str, full.token_ids[7:9]))
+    n = next(k for k in range(1, 41) if stop in SpacedIds().decode(full.token_ids[:k]))
+    strategy = oracle(spelled, prompt, 40) if spec else None
+    observer = Seen()
+    result = generate(spelled, prompt, strategy, max_new_tokens=40, stop=[stop], observer=observer)
+    assert result.finish_reason == "stop" and result.token_ids == full.token_ids[:n]
+    text = SpacedIds().decode(full.token_ids[:n])
+    assert result.text == text[:text.index(stop)]
+    assert sum(s.appended for s in result.steps) == n - 1, "the first token is not a step's"
+    assert [t for part in observer.tokens for t in part] == result.token_ids
+    assert "".join(observer.texts) == result.text[:len("".join(observer.texts))]
+
+
+def test_the_observer_sees_every_token_and_may_end_the_loop(spelled):
+    prompt = random_prompt(spelled, 6, 4)
+    full = generate(spelled, prompt, oracle(spelled, prompt, 30), max_new_tokens=30)
+    seen = Seen()
+    again = generate(spelled, prompt, oracle(spelled, prompt, 30), max_new_tokens=30, observer=seen)
+    assert again.token_ids == full.token_ids and again.finish_reason == full.finish_reason
+    assert [t for part in seen.tokens for t in part] == full.token_ids and seen.calls == len(full.steps) + 1
+    assert "".join(seen.texts) == full.text
+    ended = Seen(end_after=3, reason="mine")
+    cut = generate(spelled, prompt, oracle(spelled, prompt, 30), max_new_tokens=30, observer=ended)
+    assert cut.finish_reason == "mine" and len(cut.steps) == 2
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) == sum(map(len, ended.tokens))
+
+
+def test_cancel_and_deadline_end_the_loop_before_the_next_step(spelled):
+    prompt = random_prompt(spelled, 6, 5)
+    full = generate(spelled, prompt, max_new_tokens=20)
+    cancel = threading.Event()
+
+    class CancelAfter(Seen):
+        def on_step(self, tokens, text):
+            super().on_step(tokens, text)
+            if self.calls == 4:
+                cancel.set()
+
+    result = generate(spelled, prompt, max_new_tokens=20, observer=CancelAfter(), cancel=cancel)
+    assert result.finish_reason == "cancelled" and result.token_ids == full.token_ids[:4]
+    late = generate(spelled, prompt, oracle(spelled, prompt, 20), max_new_tokens=20,
+                    deadline=time.monotonic() - 1.0)
+    assert late.finish_reason == "timeout" and late.token_ids == full.token_ids[:1] and not late.steps
+
+
+def test_a_node_limit_cuts_trees_to_their_best_nodes_and_one_node_skips_drafting(peaky_target, monkeypatch):
+    """Limit 4 for 5 steps, then 1 for 5, then none: the verified trees are the proposed trees' best 4 nodes,
+    the cuts are recorded per step, the limit-1 steps are plain and never ask the strategy, and the output
+    stays vanilla's."""
+    proposed, verified = [], []
+    run_tree = decoder.run_tree
+    monkeypatch.setattr(decoder, "run_tree", lambda target, tree, cache: verified.append(tree) or run_tree(target, tree, cache))
+    prompt = random_prompt(peaky_target, 6, 2)
+    vanilla = generate(peaky_target, prompt, max_new_tokens=40)
+    limits = iter([4] * 5 + [1] * 5)
+    strategy = oracle(peaky_target, prompt, 40)
+    asked = []
+    propose = strategy.propose
+    strategy.propose = lambda state: asked.append(state.step) or proposed.append(propose(state)) or proposed[-1]
+    result = generate(peaky_target, prompt, strategy, max_new_tokens=40, node_limit=lambda: next(limits, 1000))
+    assert result.token_ids == vanilla.token_ids
+    sizes = [s.tree_size for s in result.steps]
+    assert sizes[:5] == [4] * 5 and sizes[5:10] == [1] * 5
+    assert all(s.shed > 0 for s in result.steps[:5]) and all(s.load_plain for s in result.steps[5:10])
+    assert not any(s.load_plain or s.shed for s in result.steps[10:])
+    assert 5 not in asked and 9 not in asked and 10 in asked
+    for full, cut in zip(proposed[:5], verified[:5]):
+        assert torch.equal(cut.tokens, full.top(4).tokens) and torch.equal(cut.parent, full.top(4).parent)
+    assert all(torch.equal(full.tokens, tree.tokens) for full, tree in zip(proposed[5:], verified[5:]))
+
+
+def test_a_strategy_notes_reach_the_step_record(peaky_target):
+    class Noting(SingleStrategy):
+        def propose(self, state):
+            state.notes["seen_step"] = state.step
+            return super().propose(state) if state.step % 2 else None
+
+    drafter = DraftHead(peaky_target.config, seed=0).eval()
+    result = generate(peaky_target, random_prompt(peaky_target, 6, 1), Noting(drafter, TREES[0]), max_new_tokens=12)
+    assert [s.meta["seen_step"] for s in result.steps] == list(range(len(result.steps)))
+
+
+def test_bad_stop_sequences_are_refused(peaky_target, spelled):
+    prompt = random_prompt(peaky_target, 6, 1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(peaky_target, prompt, max_new_tokens=4, stop=["x"])
+    for bad in ("x", [""], [3]):
+        with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+            generate(spelled, prompt, max_new_tokens=4, stop=bad)
 
 
 class RepeatingStrategy(SingleStrategy):

@@ -131,7 +131,24 @@ def test_cli_generate_json_vanilla_and_single_agree(tmp_path, capsys):
     assert vanilla["tau"] == 1.0
 
 
+def test_cli_generate_streams_the_text_and_ends_before_a_stop_sequence(tmp_path, capsys):
+    config = write_config(tmp_path)
+    args = ["generate", config, "--prompt", "What is 12 + 30?", "--max-new-tokens", "16", "--strategy", "vanilla"]
+    assert main([*args, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    words = full["text"].split()
+    stop = words[2]
+    assert main([*args, "--stop", stop]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == full["text"][:full["text"].index(stop)] + "\n"
+    assert "vanilla, stop]" in captured.err
+    assert main([*args, "--stop", stop, "--json"]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == full["token_ids"][:len(stopped["token_ids"])]
+
+
 @pytest.mark.parametrize("extra, message", [
+    (["--stop", ""], "--stop takes a non-empty text"),
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
