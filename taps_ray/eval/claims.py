@@ -1,11 +1,14 @@
 """The eight claims of the TAPS paper, checked on the report's tables (docs/DESIGN.md, "Claims the report checks").
 
 :data:`CLAIMS` is a table of :class:`Claim` objects: each states the claim in words, what it needs
-when it cannot be measured, and a check that reads the tables at temperature 0 and answers its
-status with the numbers behind it; :func:`evaluate_claims` runs them all in one loop. Drafter roles
-are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are missing is "not measured".
-Each claim line of the report (:func:`claim_line`) states the claim, its status and its numbers, so
-the report reads on its own.
+when it cannot be measured, and a check that reads the tables at temperature 0 and answers the claim's
+*margin* (positive exactly when the claim holds on these numbers) with the numbers behind it.
+:func:`evaluate_claims` runs them all in one loop, on the run's records and on paired bootstrap resamples
+of its questions (:mod:`taps_ray.eval.intervals`): a claim *holds* when the whole interval of its margin is
+above 0, *does not hold* when it is below 0, and is *inconclusive* when the interval spans 0 (more questions
+would decide it). Drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are
+missing is "not measured". Each claim line of the report (:func:`claim_line`) states the claim, its status,
+its numbers, the margin's interval and the questions behind it, so the report reads on its own.
 """
 
 from __future__ import annotations
@@ -13,20 +16,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
+
+from taps_ray.eval.intervals import CLAIM_RESAMPLES, LEVEL, SEED, QuestionResampler, percentile_interval
 from taps_ray.eval.tables import (
     BENCHMARK_ORDER,
     CHAT_BENCHMARKS,
     MATH_BENCHMARKS,
     Records,
     _mean,
-    depth_counts,
+    _rejected,
+    routing_table,
+    tau_table,
 )
 from taps_ray.spec import stats
 
 NEAR_BEST = 0.05
 MIN_DEPTH_SUPPORT = 20
-HOLDS, FAILS, MISSING = "holds", "does not hold", "not measured"
+HOLDS, FAILS, INCONCLUSIVE, MISSING = "holds", "does not hold", "inconclusive", "not measured"
 M, C, X = "single:math", "single:chat", "single:mixed"
 
 
@@ -55,17 +64,52 @@ class _Taus:
         return next((c for c in candidates if self.has(c)), None)
 
 
-@dataclass(frozen=True)
 class Inputs:
-    """What the checks read: the report's tables, the grouped records and the T = 0 tau rows."""
+    """What the checks read, computed on first use from ``data`` (grouped records): the routing table, the
+    T = 0 tau rows, and per-record sums of draft entropy and per-depth outcomes, kept in ``cache`` (shared by
+    the inputs of one run's resamples, whose records are the run's own)."""
 
-    tables: dict
-    data: Records
-    taus: _Taus
+    def __init__(self, data: Records, cache: dict | None = None):
+        self.data = data
+        self.cache = {} if cache is None else cache
+
+    def entropy_sums(self, record: dict) -> tuple[float, int, float, int]:
+        """(sum, count) of the draft entropies of ``record``'s accepted tokens, then of its rejected ones."""
+        key = ("entropy", id(record))
+        if key not in self.cache:
+            accepted = [v for step in record.get("draft_entropy", []) for v in step if v is not None]
+            rejected = [v for v in record.get("rejected_draft_entropy", []) if v is not None]
+            self.cache[key] = (sum(accepted), len(accepted), sum(rejected), len(rejected))
+        return self.cache[key]
+
+    def deepest(self, record: dict) -> int:
+        """The deepest tree ``record`` verified (0: none)."""
+        key = ("deepest", id(record))
+        if key not in self.cache:
+            self.cache[key] = max(record.get("tree_depth", []), default=0)
+        return self.cache[key]
+
+    def depth_tally(self, record: dict, max_depth: int) -> np.ndarray:
+        """``record``'s per-depth accepted / rejected / leaf step counts over depths 1 .. ``max_depth``: [3, D]."""
+        key = ("depth", id(record), max_depth)
+        if key not in self.cache:
+            outcomes = (stats.step_outcome(a, rej) for a, rej in zip(record["accepted"], _rejected(record)))
+            counts = stats.depth_counts(outcomes, max_depth)
+            self.cache[key] = np.array([counts.accepted, counts.rejected, counts.leaf], dtype=np.int64)
+        return self.cache[key]
+
+    @cached_property
+    def taus(self) -> _Taus:
+        return _Taus(tau_table(self.data, intervals=False), self.data.benchmarks)
+
+    @cached_property
+    def routing(self) -> list[dict]:
+        return routing_table(self.data)
 
 
-Verdict = tuple[str, str] | None
-"""(status, evidence), or None when the claim's inputs are missing (it then reads :attr:`Claim.needs`)."""
+Verdict = tuple[float, str] | None
+"""(margin, evidence): the margin is positive exactly when the claim holds on these numbers; None when the
+claim's inputs are missing (it then reads :attr:`Claim.needs`)."""
 
 
 @dataclass(frozen=True)
@@ -77,11 +121,26 @@ class Claim:
     needs: str
     check: Callable[[Inputs], Verdict]
 
-    def evaluate(self, inputs: Inputs) -> dict:
-        """``{"id", "claim", "status", "evidence"}``: the claim's row of the claims table."""
+    def evaluate(self, inputs: Inputs, resampled: list[Inputs], questions: str) -> dict:
+        """``{"id", "claim", "status", "evidence", "margin", "low", "high"}``: the claim's row of the claims table,
+        its status from the interval of its margin over the ``resampled`` inputs (``questions``: how many
+        questions per benchmark they resample, for the evidence)."""
         verdict = self.check(inputs)
-        status, evidence = verdict if verdict is not None else (MISSING, self.needs)
-        return {"id": self.id, "claim": self.text, "status": status, "evidence": evidence}
+        if verdict is None:
+            return {"id": self.id, "claim": self.text, "status": MISSING, "evidence": self.needs,
+                    "margin": None, "low": None, "high": None}
+        margin, evidence = verdict
+        margins = [m[0] if (m := self.check(x)) is not None else math.nan for x in resampled]
+        low, high = percentile_interval(margins)
+        decided = sum(not math.isnan(m) for m in margins)
+        if not resampled or decided < len(resampled) / 2 or math.isnan(low):
+            status = INCONCLUSIVE
+        else:
+            status = HOLDS if low > 0 else FAILS if high < 0 else INCONCLUSIVE
+        evidence += (f"; margin {margin:+.3f}, {LEVEL:.0%} interval [{low:+.3f}, {high:+.3f}] over "
+                     f"{len(resampled)} paired resamples of n = {questions}")
+        return {"id": self.id, "claim": self.text, "status": status, "evidence": evidence,
+                "margin": margin, "low": low, "high": high}
 
 
 def _specialists(i: Inputs) -> Verdict:
@@ -91,12 +150,14 @@ def _specialists(i: Inputs) -> Verdict:
     benches = taus.common([M, C])
     math_b = [b for b in benches if b in MATH_BENCHMARKS]
     chat_b = [b for b in benches if b in CHAT_BENCHMARKS]
-    checks = [taus.by[M][b] > taus.by[C][b] for b in math_b] + [taus.by[C][b] > taus.by[M][b] for b in chat_b]
+    if not math_b or not chat_b:
+        return None
+    gaps = [taus.by[M][b] - taus.by[C][b] for b in math_b] + [taus.by[C][b] - taus.by[M][b] for b in chat_b]
     evidence = "; ".join(f"{b}: math {_f(taus.by[M][b])} vs chat {_f(taus.by[C][b])}" for b in benches)
     missing = [b for b in BENCHMARK_ORDER if b not in benches]
     if missing:
         evidence += f"; not measured: {', '.join(missing)}"
-    return (MISSING if not math_b or not chat_b else HOLDS if all(checks) else FAILS), evidence
+    return min(gaps), evidence + "; margin = the smallest lead of the benchmark's own specialist"
 
 
 def _mixed_is_robust(i: Inputs) -> Verdict:
@@ -106,11 +167,10 @@ def _mixed_is_robust(i: Inputs) -> Verdict:
     benches = taus.common([M, C, X])
     avgs = {s: taus.avg(s, benches) for s in (X, M, C)}
     worst = {s: min(taus.by[s][b] for b in benches) for s in (X, M, C)}
-    holds = avgs[X] >= max(avgs.values()) * (1 - NEAR_BEST)
-    return (HOLDS if holds else FAILS,
+    return (avgs[X] - max(avgs.values()) * (1 - NEAR_BEST),
             f"average tau over {', '.join(benches)}: " + ", ".join(f"{s} {_f(v)}" for s, v in avgs.items())
             + "; worst benchmark: " + ", ".join(f"{s} {_f(v)}" for s, v in worst.items())
-            + f"; near-best = within {NEAR_BEST:.0%} of the best average")
+            + f"; near-best = within {NEAR_BEST:.0%} of the best average; margin = mixed - {1 - NEAR_BEST:.2f} x best")
 
 
 def _against_singles(strategy: str | None, i: Inputs, better: bool) -> Verdict:
@@ -120,8 +180,8 @@ def _against_singles(strategy: str | None, i: Inputs, better: bool) -> Verdict:
         return None
     benches = taus.common([strategy, M, C])
     avgs = {s: taus.avg(s, benches) for s in (strategy, M, C)}
-    holds = avgs[strategy] > max(avgs[M], avgs[C]) if better else avgs[strategy] < min(avgs[M], avgs[C])
-    return HOLDS if holds else FAILS, "average tau: " + ", ".join(f"{s} {_f(v)}" for s, v in avgs.items())
+    margin = avgs[strategy] - max(avgs[M], avgs[C]) if better else min(avgs[M], avgs[C]) - avgs[strategy]
+    return margin, "average tau: " + ", ".join(f"{s} {_f(v)}" for s, v in avgs.items())
 
 
 def _averaging_hurts(i: Inputs) -> Verdict:
@@ -141,9 +201,9 @@ def _merged_is_best(i: Inputs) -> Verdict:
     benches = taus.common(others)
     avgs = {s: taus.avg(s, benches) for s in others}
     best = max(avgs, key=avgs.get)
-    holds = avgs[merged] >= max(avgs.values())
+    margin = avgs[merged] - max(v for s, v in avgs.items() if s != merged)
     ranked = sorted(avgs.items(), key=lambda kv: -kv[1])
-    return (HOLDS if holds else FAILS, f"{merged} {_f(avgs[merged])}; highest {best} {_f(avgs[best])}; all: "
+    return (margin, f"{merged} {_f(avgs[merged])}; highest {best} {_f(avgs[best])}; all: "
             + ", ".join(f"{s} {_f(v)}" for s, v in ranked))
 
 
@@ -165,40 +225,47 @@ def _separation(routing: list[dict], strategy: str) -> tuple[float, float, str] 
 def _confidence_separates(i: Inputs) -> Verdict:
     conf_name = i.taus.pick("routed:confidence:step", "routed:confidence:request")
     ent_name = i.taus.pick("routed:entropy:request", "routed:entropy:step")
-    conf = _separation(i.tables["routing"], conf_name) if conf_name else None
-    ent = _separation(i.tables["routing"], ent_name) if ent_name else None
+    conf = _separation(i.routing, conf_name) if conf_name else None
+    ent = _separation(i.routing, ent_name) if ent_name else None
     if conf is None or ent is None:
         return None
     sep_conf, sep_ent = (conf[0] + conf[1]) / 2, (ent[0] + ent[1]) / 2
-    holds = conf[0] > 0.5 and conf[1] > 0.5 and sep_conf > sep_ent
-    return (HOLDS if holds else FAILS, f"{conf[2]} (separation {_f(sep_conf)}); {ent[2]} (separation "
-            f"{_f(sep_ent)}); separation = mean of the two shares")
+    margin = min(conf[0] - 0.5, conf[1] - 0.5, sep_conf - sep_ent)
+    return (margin, f"{conf[2]} (separation {_f(sep_conf)}); {ent[2]} (separation "
+            f"{_f(sep_ent)}); separation = mean of the two shares; margin = the least of both confidence shares - 0.5 "
+            "and the separations' difference")
 
 
 def _rejected_entropy_higher(i: Inputs) -> Verdict:
-    pooled = [r for r in i.tables["entropy"] if r["temperature"] == 0 and r["benchmark"] == "all"]
-    acc_n = sum(r["accepted_tokens"] for r in pooled)
-    rej_n = sum(r["rejected_tokens"] for r in pooled)
+    per_strategy = {}
+    for s in i.data.speculative(0.0):
+        sums = np.array([i.entropy_sums(r) for r in i.data.get(0.0, s)], dtype=float).reshape(-1, 4).sum(axis=0)
+        per_strategy[s] = sums
+    total = sum(per_strategy.values(), np.zeros(4))
+    acc_sum, acc_n, rej_sum, rej_n = total
     if not acc_n or not rej_n:
         return None
-    acc = sum(r["accepted_draft"] * r["accepted_tokens"] for r in pooled if r["accepted_tokens"]) / acc_n
-    rej = sum(r["rejected_draft"] * r["rejected_tokens"] for r in pooled if r["rejected_tokens"]) / rej_n
-    per = sum(1 for r in pooled if r["rejected_draft"] > r["accepted_draft"])
-    return (HOLDS if rej > acc else FAILS,
-            f"draft entropy at rejected {_f(rej)} ({rej_n} tokens) vs accepted {_f(acc)} ({acc_n} tokens), "
-            f"pooled over strategies; higher at rejected in {per}/{len(pooled)} strategies")
+    acc, rej = acc_sum / acc_n, rej_sum / rej_n
+    per = sum(1 for v in per_strategy.values() if v[1] and v[3] and v[2] / v[3] > v[0] / v[1])
+    return (rej - acc,
+            f"draft entropy at rejected {_f(rej)} ({int(rej_n)} tokens) vs accepted {_f(acc)} ({int(acc_n)} tokens), "
+            f"pooled over strategies; higher at rejected in {per}/{len(per_strategy)} strategies")
 
 
 def _acceptance_declines(i: Inputs) -> Verdict:
     spec = [r for s in i.data.speculative(0.0) for r in i.data.get(0.0, s)]
-    counts = depth_counts(spec) if spec else stats.DepthCounts([], [], [])
-    kept = [(d, rate) for d, (rate, n) in enumerate(zip(counts.rates(), counts.tried), start=1)
-            if n >= MIN_DEPTH_SUPPORT]
+    max_depth = max((i.deepest(r) for r in spec), default=0)
+    if not spec or not max_depth:
+        return None
+    accepted, rejected, _ = sum(i.depth_tally(r, max_depth) for r in spec)
+    tried = accepted + rejected
+    kept = [(d, a / n) for d, (a, n) in enumerate(zip(accepted, tried), start=1) if n >= MIN_DEPTH_SUPPORT]
     if len(kept) < 2:
         return None
-    holds = all(b[1] <= a[1] for a, b in zip(kept, kept[1:])) and kept[-1][1] < kept[0][1]
-    return (HOLDS if holds else FAILS, "acceptance rate by depth, pooled over strategies: "
-            + ", ".join(f"d{d} {_f(rate)}" for d, rate in kept) + f" (depths tried by >= {MIN_DEPTH_SUPPORT} steps)")
+    margin = min(kept[0][1] - kept[-1][1], *(a[1] - b[1] for a, b in zip(kept, kept[1:])))
+    return (float(margin), "acceptance rate by depth, pooled over strategies: "
+            + ", ".join(f"d{d} {_f(rate)}" for d, rate in kept) + f" (depths tried by >= {MIN_DEPTH_SUPPORT} steps); "
+            "margin = the least of each depth's drop to the next and the first-to-last drop")
 
 
 CLAIMS: dict[int, Claim] = {c.id: c for c in [
@@ -229,10 +296,17 @@ CLAIMS: dict[int, Claim] = {c.id: c for c in [
 """The claims of the TAPS paper the report checks, by number (docs/DESIGN.md, "Claims the report checks")."""
 
 
-def evaluate_claims(tables: dict, data: Records) -> list[dict]:
-    """Each of :data:`CLAIMS` as holds / does not hold / not measured, with its numbers (T = 0)."""
-    inputs = Inputs(tables, data, _Taus(tables["tau"], data.benchmarks))
-    return [claim.evaluate(inputs) for claim in CLAIMS.values()]
+def evaluate_claims(data: Records, resamples: int = CLAIM_RESAMPLES, seed: int = SEED) -> list[dict]:
+    """Each of :data:`CLAIMS` as holds / does not hold / inconclusive / not measured, with its numbers and the
+    interval of its margin over ``resamples`` paired bootstrap resamples of the questions (T = 0)."""
+    resampler = QuestionResampler(data.records, seed)
+    cache: dict = {}
+    resampled = [Inputs(Records(resampler.draw()), cache) for _ in range(resamples)]
+    counts = resampler.counts()
+    sizes = sorted(set(counts.values()))
+    questions = (f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}") if sizes else "0"
+    questions += " questions per benchmark"
+    return [claim.evaluate(Inputs(data, cache), resampled, questions) for claim in CLAIMS.values()]
 
 
 def claim_line(claim: dict, bold: bool = True) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from taps_ray.eval.intervals import LEVEL
 from taps_ray.eval.tables import Records, rows_at
 
 
@@ -23,9 +24,13 @@ def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
         rows = [r for r in rows_at(tables, "tau", t) if r["strategy"] != "vanilla"]
         if rows:
             fig, ax = plt.subplots(figsize=_bar_chart_size(rows))
-            ax.barh([r["strategy"] for r in rows][::-1], [r["avg"] for r in rows][::-1], color="#4878a8")
-            written.append(_save(fig, ax, out / f"tau_{label}.png", "average tau (tokens per target step)",
-                                 f"Acceptance length by strategy, T={t:g}"))
+            errors = [[max(r["avg"] - r.get("avg_low", r["avg"]), 0) for r in rows][::-1],
+                      [max(r.get("avg_high", r["avg"]) - r["avg"], 0) for r in rows][::-1]]
+            errors = [[0.0 if math.isnan(e) else e for e in side] for side in errors]
+            ax.barh([r["strategy"] for r in rows][::-1], [r["avg"] for r in rows][::-1], xerr=errors, capsize=3,
+                    color="#4878a8", ecolor="#333333")
+            written.append(_save(fig, ax, out / f"tau_{label}.png", f"average tau (tokens per target step), "
+                                 f"{LEVEL:.0%} bootstrap interval", f"Acceptance length by strategy, T={t:g}"))
         rows = rows_at(tables, "depth", t, pooled=True)
         if rows:
             fig, ax = plt.subplots(figsize=(6, 4))

@@ -18,7 +18,7 @@ from pathlib import Path
 from taps_ray.eval.claims import claim_line, evaluate_claims
 from taps_ray.eval.plots import draw_plots
 from taps_ray.eval.records import RECORDS, RUN_FILE, read_records
-from taps_ray.eval.tables import Records, compute_tables, rows_at
+from taps_ray.eval.tables import INTERVAL_NOTE, Records, compute_tables, rows_at, with_interval
 from taps_ray.runstate import atomic_write, write_json
 
 
@@ -47,7 +47,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def build_tables(records: list[dict]) -> tuple[dict, Records]:
     """Every table of the report (:func:`taps_ray.eval.tables.compute_tables`) plus ``claims``, and the grouped records."""
     tables, data = compute_tables(records)
-    tables["claims"] = evaluate_claims(tables, data)
+    tables["claims"] = evaluate_claims(data)
     return tables, data
 
 
@@ -71,9 +71,11 @@ def _table_section(title: str, rows: list[dict], columns: list[str], note: str |
 
 def tau_section(tables: dict, data: Records, t: float) -> list[str]:
     b = data.benchmarks
-    rows = rows_at(tables, "tau", t)
-    return ["### Acceptance length tau (Table 1)", "", markdown_table(rows, ["strategy", *b, "avg"]), "",
-            "Questions per cell: " + ", ".join(f"{x}: {rows[0].get(f'{x}_n', 0)}" for x in b) if rows else "", ""]
+    rows = [{"strategy": r["strategy"], **{c: with_interval(r, c) for c in [*b, "avg"]}} for r in rows_at(tables, "tau", t)]
+    counts = rows_at(tables, "tau", t)
+    return ["### Acceptance length tau (Table 1)", "", INTERVAL_NOTE + ".", "",
+            markdown_table(rows, ["strategy", *b, "avg"]), "",
+            "Questions per cell: " + ", ".join(f"{x}: {counts[0].get(f'{x}_n', 0)}" for x in b) if rows else "", ""]
 
 
 def routing_section(tables: dict, data: Records, t: float) -> list[str]:

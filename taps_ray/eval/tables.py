@@ -19,6 +19,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+from taps_ray.eval.intervals import LEVEL, mean_tau_interval, tau_interval
 from taps_ray.eval.records import record_method
 from taps_ray.spec import stats
 
@@ -76,22 +77,41 @@ class Records:
         return [s for s in self.strategies if s != "vanilla" and self.get(t, s)]
 
 
-def tau_table(data: Records) -> list[dict]:
-    """Rows (temperature, strategy): tau per benchmark, their mean ``avg``, per-question means, counts."""
+def tau_table(data: Records, intervals: bool = True) -> list[dict]:
+    """Rows (temperature, strategy): tau per benchmark, their mean ``avg``, per-question means, counts, and
+    (``intervals``) each one's bootstrap interval over questions at :data:`~taps_ray.eval.intervals.LEVEL`
+    (``<b>_low`` / ``<b>_high``, ``avg_low`` / ``avg_high``)."""
     rows = []
     for t in data.temperatures:
         for s in data.strategies:
             if not data.get(t, s):
                 continue
             row = {"temperature": t, "strategy": s}
-            for b in data.benchmarks:
-                group = data.get(t, s, b)
+            groups = [data.get(t, s, b) for b in data.benchmarks]
+            for b, group in zip(data.benchmarks, groups):
                 row[b] = _tau(group) if group else math.nan
                 row[f"{b}_tau_q"] = stats.mean_tau(r["tau"] for r in group)
                 row[f"{b}_n"] = len(group)
+                if intervals:
+                    row[f"{b}_low"], row[f"{b}_high"] = tau_interval(group)
             row["avg"] = _mean(row[b] for b in data.benchmarks)
+            if intervals:
+                row["avg_low"], row["avg_high"] = mean_tau_interval(groups)
             rows.append(row)
     return rows
+
+
+def with_interval(row: dict, column: str) -> str:
+    """``row[column]`` with its interval, as the report prints a tau cell: ``3.80 [3.41, 4.12]``."""
+    value = row.get(column, math.nan)
+    if value is None or math.isnan(value):
+        return "–"
+    low, high = row.get(f"{column}_low", math.nan), row.get(f"{column}_high", math.nan)
+    return f"{value:.2f}" if math.isnan(low) else f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
+INTERVAL_NOTE = (f"tau [{LEVEL:.0%} bootstrap interval over the benchmark's questions]; the average's interval resamples "
+                 "each benchmark apart")
 
 
 def routing_table(data: Records) -> list[dict]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from taps_ray.cli import main
-from taps_ray.eval.claims import CLAIMS, FAILS, HOLDS, MISSING, claim_line
+from taps_ray.eval.claims import CLAIMS, FAILS, HOLDS, INCONCLUSIVE, MISSING, claim_line, evaluate_claims
 from taps_ray.eval.records import RECORDS, RUN_FILE
 from taps_ray.eval.report import build_tables, write_report
 
@@ -150,8 +151,15 @@ def test_speed_against_vanilla_on_the_same_questions(tables):
 
 
 def test_claims_hold_on_paper_like_numbers(tables):
+    """Every claim holds on these numbers; claim 6 only on the run's own two questions: entropy routing sends
+    one of them to each drafter, so a resample of the same question twice separates as well as confidence
+    routing (margin 0 inside its interval): inconclusive, as two questions should be."""
     claims = {c["id"]: c for c in tables["claims"]}
-    assert [c["status"] for c in tables["claims"]] == [HOLDS] * 8
+    assert [c["status"] for c in tables["claims"]] == [HOLDS] * 5 + [INCONCLUSIVE] + [HOLDS] * 2
+    assert claims[6]["margin"] > 0 and claims[6]["low"] <= 0 < claims[6]["high"]
+    assert all(c["low"] == pytest.approx(c["margin"]) == pytest.approx(c["high"]) for c in tables["claims"]
+               if c["id"] != 6), "identical questions: no spread"
+    assert "n = 2 questions per benchmark" in claims[1]["evidence"]
     assert "gsm8k: math 3.80 vs chat 2.00" in claims[1]["evidence"]
     assert "not measured: math_500, svamp" in claims[1]["evidence"]
     assert "single:mixed 3.00" in claims[2]["evidence"]
@@ -160,6 +168,32 @@ def test_claims_hold_on_paper_like_numbers(tables):
     assert "4/4 math-benchmark questions" not in claims[6]["evidence"]
     assert "2/2 math-benchmark questions to math" in claims[6]["evidence"]
     assert "rejected 2.00" in claims[7]["evidence"] and "accepted 1.00" in claims[7]["evidence"]
+
+
+def noisy_specialists(questions: int, lead: float) -> list[dict]:
+    """single:math and single:chat on GSM8K and MT-Bench, each question's accepted lengths drawn around the
+    specialist's ``lead`` in tau on its own benchmark (seeded)."""
+    rng = random.Random(questions)
+    out = []
+    for bench, own in (("gsm8k", "single:math"), ("mt_bench", "single:chat")):
+        for qid in range(questions):
+            for strategy in ("single:math", "single:chat"):
+                base = 1.5 + (lead if strategy == own else 0.0)
+                accepted = [max(0, min(DEPTH, round(rng.gauss(base, 1.5)))) for _ in range(10)]
+                out.append(record(strategy, bench, qid, accepted, drafters=[strategy[7:]]))
+    return out
+
+
+def test_a_claim_is_inconclusive_on_few_noisy_questions_and_decided_on_many():
+    few = {c["id"]: c for c in evaluate_claims(build_tables(noisy_specialists(3, 0.3))[1])}
+    many = {c["id"]: c for c in evaluate_claims(build_tables(noisy_specialists(200, 0.3))[1])}
+    wrong = {c["id"]: c for c in evaluate_claims(build_tables(noisy_specialists(200, -0.3))[1])}
+    assert few[1]["status"] == INCONCLUSIVE and few[1]["low"] < 0 < few[1]["high"]
+    assert many[1]["status"] == HOLDS and many[1]["low"] > 0
+    assert wrong[1]["status"] == FAILS and wrong[1]["high"] < 0
+    assert (many[1]["high"] - many[1]["low"]) < (few[1]["high"] - few[1]["low"]) / 3
+    assert "n = 200 questions per benchmark" in many[1]["evidence"]
+    assert few[2]["status"] == MISSING and few[2]["margin"] is None
 
 
 def test_claims_follow_the_numbers_not_the_expectations():
@@ -203,7 +237,7 @@ def test_write_report_and_cli(tmp_path):
     (out / RUN_FILE).write_text(json.dumps({"identity": {"target": {"model": "tiny"}}, "drafters": {"math": "m"}}))
     assert main(["report", str(out)]) == 0
     text = (out / "report.md").read_text()
-    assert "## Claims" in text and "| single:math | 2.00 | 3.80 | 2.90 |" in text
+    assert "## Claims" in text and "| single:math | 2.00 [2.00, 2.00] | 3.80 [3.80, 3.80] | 2.90 [2.90, 2.90] |" in text
     for name in ("tau", "routing", "entropy", "acceptance_by_depth", "tau_vs_alpha", "speed", "claims"):
         assert (out / "tables" / f"{name}.csv").read_text().count("\n") > 1
     for name in ("tau_T0", "acceptance_by_depth_T0", "tau_vs_alpha_T0", "speedup_T0"):
