@@ -155,8 +155,9 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     print("\n" + section_text(tau_section, tables, data))
     if shipped is not None:
         print("\nRelease drafters:\n" + "\n\n".join(section_text(s, *shipped) for s in RELEASE_SECTIONS))
-    print("\nClaims of the TAPS paper, measured at T=0 (how each is checked: docs/DESIGN.md, "
-          "\"Claims the report checks\"):\n" + "\n".join(claim_line(c, bold=False) for c in tables["claims"]))
+    print("\nClaims of the TAPS paper (holds / does not hold / inconclusive from the 95% bootstrap interval of each "
+          "claim's margin; how each is checked: docs/DESIGN.md, \"Claims the report checks\"):\n"
+          + "\n".join(f"[T={c['temperature']:g}] " + claim_line(c, bold=False) for c in tables["claims"]))
     print("\n" + times.table())
     write_json(out / "demo_times.json", times.stages)
     print(f"\nreport: {report}", flush=True)

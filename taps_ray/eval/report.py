@@ -2,7 +2,7 @@
 
 The tables and their metric definitions live in :mod:`taps_ray.eval.tables`, the plots in
 :mod:`taps_ray.eval.plots`, the eight claims of the TAPS paper in :mod:`taps_ray.eval.claims`
-(evaluated at temperature 0 from the tables; docs/DESIGN.md, "Claims the report checks"). This
+(evaluated at each temperature of the run, with bootstrap intervals; docs/DESIGN.md, "Claims the report checks"). This
 module renders them: one function per section of ``report.md`` (:data:`SECTIONS`, also read by
 ``taps demo``), the run's exactness accounting and the sweeps it includes, and writes the files.
 """
@@ -169,10 +169,12 @@ def render_markdown(tables: dict, data: Records, run: dict, plots: list[str]) ->
         for section in SECTIONS:
             lines += section(tables, data, t)
         lines += [f"![{p}](plots/{p})" for p in plots if p.endswith(f"T{t:g}.png")] + [""]
-    lines += ["## Claims of the TAPS paper, measured here at T=0", "",
-              "Each line: the claim, whether it holds on this run's numbers, and those numbers. How each claim is "
-              "checked: docs/DESIGN.md, section \"Claims the report checks\".", ""]
-    lines += [claim_line(claim) for claim in tables["claims"]] + [""]
+    lines += ["## Claims of the TAPS paper, measured here", "",
+              "Each line: the claim, whether it holds on this run's numbers (holds / does not hold: the whole "
+              "95% bootstrap interval of its margin on one side of 0; inconclusive: it spans 0), those numbers "
+              "and n. How each claim is checked: docs/DESIGN.md, section \"Claims the report checks\".", ""]
+    for t in data.temperatures:
+        lines += [f"### T={t:g}", ""] + [claim_line(c) for c in tables["claims"] if c["temperature"] == t] + [""]
     return "\n".join(lines)
 
 

@@ -272,3 +272,22 @@ def test_report_includes_sweeps_and_remembers_them(tmp_path):
     assert f"No `results.csv` in {unfinished}" in text
     write_report(out)
     assert "| 1.00 | 2.75 | 1.25 | 2.00 | 11.00 |" in (out / "report.md").read_text(), "regeneration keeps the sweeps"
+
+
+def test_claims_are_checked_at_each_temperature_on_its_own_records(tmp_path):
+    """T=1 records whose specialists are swapped: claim 1 holds at T=0 and does not at T=1, each line in its
+    temperature's section of the report."""
+    hot = [{**r, "temperature": 1.0} for r in paper_like_records(swap=True)]
+    tables = build_tables(paper_like_records() + hot)[0]
+    status = {(c["temperature"], c["id"]): c["status"] for c in tables["claims"]}
+    assert len(tables["claims"]) == 16
+    assert status[(0.0, 1)] == HOLDS and status[(1.0, 1)] == FAILS and status[(1.0, 3)] == HOLDS
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in paper_like_records() + hot))
+    (out / RUN_FILE).write_text(json.dumps({"identity": {"target": {"model": "tiny"}}, "drafters": {}}))
+    text = write_report(out).read_text()
+    claims = text[text.index("## Claims"):]
+    hot_part = claims[claims.index("### T=1"):]
+    assert "### T=0" in claims and "1. The math-trained drafter" in hot_part
+    assert "**does not hold**" in hot_part.splitlines()[2]
