@@ -34,6 +34,7 @@ from taps_ray.eval.tables import (
 from taps_ray.spec import stats
 
 MIN_DEPTH_SUPPORT = 20
+MIN_CELL_TOKENS = 5
 HOLDS, FAILS, INCONCLUSIVE, MISSING = "holds", "does not hold", "inconclusive", "not measured"
 M, C, X = "single:math", "single:chat", "single:mixed"
 
@@ -72,13 +73,17 @@ class Inputs:
         self.data, self.temperature = data, temperature
         self.cache = {} if cache is None else cache
 
-    def entropy_sums(self, record: dict) -> tuple[float, int, float, int]:
-        """(sum, count) of the draft entropies of ``record``'s accepted tokens, then of its rejected ones."""
+    def entropy_sums(self, record: dict) -> tuple:
+        """(sum, count) of the draft entropies of ``record``'s accepted tokens, then of its rejected ones, then the
+        same two of the verifier's (target) entropies: 8 numbers."""
         key = ("entropy", id(record))
         if key not in self.cache:
-            accepted = [v for step in record.get("draft_entropy", []) for v in step if v is not None]
-            rejected = [v for v in record.get("rejected_draft_entropy", []) if v is not None]
-            self.cache[key] = (sum(accepted), len(accepted), sum(rejected), len(rejected))
+            sums = []
+            for kind in ("draft", "target"):
+                accepted = [v for step in record.get(f"{kind}_entropy", []) for v in step if v is not None]
+                rejected = [v for v in record.get(f"rejected_{kind}_entropy", []) if v is not None]
+                sums += [sum(accepted), len(accepted), sum(rejected), len(rejected)]
+            self.cache[key] = tuple(sums)
         return self.cache[key]
 
     def deepest(self, record: dict) -> int:
@@ -115,7 +120,7 @@ claim's inputs are missing (it then reads :attr:`Claim.needs`)."""
 class Claim:
     """One claim of the paper: its number, its words, what it needs, and its check."""
 
-    id: int
+    id: int | str
     text: str
     needs: str
     check: Callable[[Inputs], Verdict]
@@ -194,19 +199,30 @@ def _routing_helps(i: Inputs) -> Verdict:
     return _against_singles(i.taus.pick("routed:confidence:step", "routed:confidence:request"), i, better=True)
 
 
-def _merged_is_best(i: Inputs) -> Verdict:
+def _merged_beats(merged: str, leave_out: tuple[str, ...], i: Inputs) -> Verdict:
+    """``merged``'s average tau against every other speculative strategy but ``leave_out``, with the mean nodes
+    each verified per step (a union verifies up to the sum of its trees)."""
     taus = i.taus
-    merged = taus.pick("merged:union", "merged:budget")
-    others = [s for s in taus.by if s != "vanilla"]
-    if merged is None or len(others) < 2:
+    others = [s for s in taus.by if s != "vanilla" and s not in leave_out]
+    if merged not in taus.by or len(others) < 2:
         return None
     benches = taus.common(others)
     avgs = {s: taus.avg(s, benches) for s in others}
-    best = max(avgs, key=avgs.get)
-    margin = avgs[merged] - max(v for s, v in avgs.items() if s != merged)
+    best = max((s for s in avgs if s != merged), key=avgs.get)
     ranked = sorted(avgs.items(), key=lambda kv: -kv[1])
-    return (margin, f"{merged} {_f(avgs[merged])}; highest {best} {_f(avgs[best])}; all: "
-            + ", ".join(f"{s} {_f(v)}" for s, v in ranked))
+    nodes = {s: _mean(n for r in i.data.get(i.temperature, s) for n in r["tree_size"]) for s in (merged, best)}
+    return (avgs[merged] - avgs[best],
+            f"{merged} {_f(avgs[merged])} ({_f(nodes[merged])} nodes verified per step); highest other {best} "
+            f"{_f(avgs[best])} ({_f(nodes[best])} nodes); all: " + ", ".join(f"{s} {_f(v)}" for s, v in ranked)
+            + "; margin = merged - the best other")
+
+
+def _union_is_best(i: Inputs) -> Verdict:
+    return _merged_beats("merged:union", (), i)
+
+
+def _budget_merge_is_best(i: Inputs) -> Verdict:
+    return _merged_beats("merged:budget", ("merged:union",), i)
 
 
 def _separation(routing: list[dict], strategy: str, temperature: float) -> tuple[float, float, str] | None:
@@ -239,39 +255,61 @@ def _confidence_separates(i: Inputs) -> Verdict:
 
 
 def _rejected_entropy_higher(i: Inputs) -> Verdict:
-    per_strategy = {}
-    t = i.temperature
+    """Draft entropy higher at rejected than at accepted tokens in every cell (strategy x benchmark) with
+    at least :data:`MIN_CELL_TOKENS` rejected tokens; the verifier's entropy delta is reported beside it."""
+    t, cells = i.temperature, {}
     for s in i.data.speculative(t):
-        sums = np.array([i.entropy_sums(r) for r in i.data.get(t, s)], dtype=float).reshape(-1, 4).sum(axis=0)
-        per_strategy[s] = sums
-    total = sum(per_strategy.values(), np.zeros(4))
-    acc_sum, acc_n, rej_sum, rej_n = total
-    if not acc_n or not rej_n:
+        for b in i.data.benchmarks:
+            records = i.data.get(t, s, b)
+            if records:
+                cells[(s, b)] = np.array([i.entropy_sums(r) for r in records], dtype=float).sum(axis=0)
+    deltas = {k: v[2] / v[3] - v[0] / v[1] for k, v in cells.items() if v[1] and v[3] >= MIN_CELL_TOKENS}
+    if not deltas:
         return None
-    acc, rej = acc_sum / acc_n, rej_sum / rej_n
-    per = sum(1 for v in per_strategy.values() if v[1] and v[3] and v[2] / v[3] > v[0] / v[1])
-    return (rej - acc,
-            f"draft entropy at rejected {_f(rej)} ({int(rej_n)} tokens) vs accepted {_f(acc)} ({int(acc_n)} tokens), "
-            f"pooled over strategies; higher at rejected in {per}/{len(per_strategy)} strategies")
+    total = sum(cells.values(), np.zeros(8))
+    draft = (total[2] / total[3], total[0] / total[1])
+    verifier = (total[6] / total[7], total[4] / total[5]) if total[5] and total[7] else (math.nan, math.nan)
+    worst = min(deltas, key=deltas.get)
+    return (min(deltas.values()),
+            f"rejected - accepted draft entropy higher in {sum(d > 0 for d in deltas.values())}/{len(deltas)} cells "
+            f"(strategy x benchmark, >= {MIN_CELL_TOKENS} rejected tokens; smallest {_f(deltas[worst])} in "
+            f"{worst[0]} on {worst[1]}); pooled: draft entropy at rejected {_f(draft[0])} ({int(total[3])} tokens) vs "
+            f"accepted {_f(draft[1])} ({int(total[1])} tokens), verifier entropy at rejected {_f(verifier[0])} vs "
+            f"accepted {_f(verifier[1])}; margin = the smallest cell's delta")
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """The least-squares slope of rate over depth."""
+    depths = np.array([d for d, _ in points], dtype=float)
+    rates = np.array([r for _, r in points])
+    centred = depths - depths.mean()
+    return float((centred * (rates - rates.mean())).sum() / (centred ** 2).sum())
 
 
 def _acceptance_declines(i: Inputs) -> Verdict:
-    spec = [r for s in i.data.speculative(i.temperature) for r in i.data.get(i.temperature, s)]
-    max_depth = max((i.deepest(r) for r in spec), default=0)
-    if not spec or not max_depth:
+    """Per speculative strategy, the least-squares slope of acceptance over the depths tried by at least
+    :data:`MIN_DEPTH_SUPPORT` steps is negative."""
+    t, slopes, rates = i.temperature, {}, {}
+    for s in i.data.speculative(t):
+        records = i.data.get(t, s)
+        max_depth = max((i.deepest(r) for r in records), default=0)
+        if not max_depth:
+            continue
+        accepted, rejected, _ = sum(i.depth_tally(r, max_depth) for r in records)
+        tried = accepted + rejected
+        kept = [(d, a / n) for d, (a, n) in enumerate(zip(accepted, tried), start=1) if n >= MIN_DEPTH_SUPPORT]
+        if len(kept) >= 2:
+            slopes[s], rates[s] = _slope(kept), kept
+    if not slopes:
         return None
-    accepted, rejected, _ = sum(i.depth_tally(r, max_depth) for r in spec)
-    tried = accepted + rejected
-    kept = [(d, a / n) for d, (a, n) in enumerate(zip(accepted, tried), start=1) if n >= MIN_DEPTH_SUPPORT]
-    if len(kept) < 2:
-        return None
-    margin = min(kept[0][1] - kept[-1][1], *(a[1] - b[1] for a, b in zip(kept, kept[1:])))
-    return (float(margin), "acceptance rate by depth, pooled over strategies: "
-            + ", ".join(f"d{d} {_f(rate)}" for d, rate in kept) + f" (depths tried by >= {MIN_DEPTH_SUPPORT} steps); "
-            "margin = the least of each depth's drop to the next and the first-to-last drop")
+    flattest = max(slopes, key=slopes.get)
+    return (-slopes[flattest],
+            f"slope of acceptance per depth negative in {sum(v < 0 for v in slopes.values())}/{len(slopes)} strategies "
+            f"(depths tried by >= {MIN_DEPTH_SUPPORT} steps); flattest {flattest} {slopes[flattest]:+.3f} per depth ("
+            + ", ".join(f"d{d} {_f(rate)}" for d, rate in rates[flattest]) + "); margin = -(the flattest slope)")
 
 
-CLAIMS: dict[int, Claim] = {c.id: c for c in [
+CLAIMS: dict[int | str, Claim] = {c.id: c for c in [
     Claim(1, "The math-trained drafter has a higher tau than the chat-trained one on GSM8K, MATH-500 and SVAMP; "
              "the chat-trained one is higher on MT-Bench.",
           "needs single:math and single:chat", _specialists),
@@ -284,16 +322,20 @@ CLAIMS: dict[int, Claim] = {c.id: c for c in [
     Claim(4, "Routing by draft confidence (verifying the tree of the drafter whose draft is more confident) gives a "
              "higher average tau than the better of the two single drafters.",
           "needs routed:confidence, single:math, single:chat", _routing_helps),
-    Claim(5, "Verifying the merged trees of the two drafters gives the highest average tau of all strategies.",
-          "needs merged:union and other strategies", _merged_is_best),
+    Claim(5, "Verifying the merged trees of the two drafters (their union, which verifies up to both trees' "
+             "nodes) gives the highest average tau of all strategies.",
+          "needs merged:union and other strategies", _union_is_best),
+    Claim("5b", "Merging within the node budget of one tree (merged:budget) gives a higher average tau than every "
+                "other strategy with that budget (all but the union).",
+          "needs merged:budget and other strategies", _budget_merge_is_best),
     Claim(6, "Confidence routing sends most math questions to the math drafter and most MT-Bench questions to the "
              "chat drafter; entropy routing separates them less clearly.",
           "needs confidence and entropy routing over drafters named math and chat, on MT-Bench and a math "
-          "benchmark,", _confidence_separates),
-    Claim(7, "Rejected draft tokens have a higher draft entropy than accepted ones.",
+          "benchmark", _confidence_separates),
+    Claim(7, "Rejected draft tokens have a higher draft entropy than accepted ones, in every strategy and benchmark.",
           "needs accepted and rejected draft tokens", _rejected_entropy_higher),
     Claim(8, "The acceptance rate declines with draft depth (share of the draft tokens tried at depth d that are "
-             "accepted).",
+             "accepted), for every strategy.",
           f"needs at least two depths tried by >= {MIN_DEPTH_SUPPORT} steps", _acceptance_declines),
 ]}
 """The claims of the TAPS paper the report checks, by number (docs/DESIGN.md, "Claims the report checks")."""
