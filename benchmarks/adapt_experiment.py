@@ -76,7 +76,7 @@ def excluded_hashes(cfg, served: dict[str, str]) -> set[str]:
     """Prompts the release drafters, the ``served`` ones and the config's ``chat`` dataset trained on."""
     from taps_ray.data.contamination import conversation_hash, union_trained_prompts
     from taps_ray.data.sources import load_dataset_alternatives
-    from taps_ray.models.release import release_names, resolve_drafter_dir
+    from taps_ray.drafter_sources import release_names, resolve_drafter_dir
 
     dirs = [resolve_drafter_dir(f"release:{n}") for n in release_names()]
     hashes = union_trained_prompts([*dirs, *(resolve_drafter_dir(c) for c in served.values())])

@@ -23,9 +23,9 @@ import torch
 from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, union_trained_prompts
 from taps_ray.data.feature_sets import MANIFEST
+from taps_ray.drafter_sources import RELEASE_DIR
 from taps_ray.eval.bench import drafter_tau
 from taps_ray.models.drafter import DraftHead, read_drafter_meta
-from taps_ray.models.release import RELEASE_DIR
 from taps_ray.models.target import TargetModel
 from taps_ray.models.weight_storage import INT8_ROWWISE, PLAIN, STORAGES
 

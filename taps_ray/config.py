@@ -402,7 +402,7 @@ class CaptureConfig(Strict):
 def default_serve_drafters() -> dict[str, DrafterServeConfig]:
     """The shipped release drafters (``math``, ``chat``: ``release:NAME``) when the package has them, else one
     untrained ``default`` drafter."""
-    from taps_ray.models.release import release_names
+    from taps_ray.drafter_sources import release_names
 
     shipped = [name for name in ("math", "chat") if name in release_names()]
     if not shipped:

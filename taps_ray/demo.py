@@ -65,7 +65,7 @@ def release_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
     """The demo's evaluation over the shipped release drafters (``release:math``, ``release:chat``, and
     ``release:mixed`` alone when shipped) with :data:`RELEASE_STRATEGIES`, into ``<run_dir>/eval-release``;
     None when the two specialists are not shipped."""
-    from taps_ray.models.release import release_names
+    from taps_ray.drafter_sources import release_names
 
     shipped = set(release_names())
     if not {"math", "chat"} <= shipped:

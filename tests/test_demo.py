@@ -41,7 +41,7 @@ def test_release_sections_come_from_the_tables_not_the_markdown():
 
 def test_release_drafters_are_evaluated_beside_the_demo_ones(monkeypatch):
     from taps_ray import demo
-    from taps_ray.models import release
+    from taps_ray import drafter_sources as release
 
     cfg = demo_config(DEMO, [], full=False)
     monkeypatch.setattr(release, "release_names", lambda: ["chat", "math"])

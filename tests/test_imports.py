@@ -1,11 +1,15 @@
-"""The import graph of taps_ray, read statically with ``ast``: no cycle, and no Ray in taps_ray/spec.
+"""The import graph of taps_ray, read statically with ``ast``: no module cycle, no package cycle (counting
+every import, function-local ones included), and no Ray in taps_ray/spec.
 
 Edges: every ``import`` / ``from ... import`` of a taps_ray module at module level, including those
 under a module-level ``if`` (``TYPE_CHECKING``) or ``try``; ``from pkg import name`` points at the
 submodule ``pkg.name`` when there is one, else at ``pkg``. Imports inside a function or method are
 not edges: they run when called, after every module has finished importing, so they cannot leave a
 module half-initialised, and the package uses them only to keep heavy imports (torch, Ray, model
-code) off light paths. The Ray check reads every import in taps_ray/spec, function-level included.
+code) off light paths. Packages (``taps_ray.serving``, ``taps_ray.train``, ...; a top-level module is its
+own unit) are layers, so their graph counts every import, function-local ones included: a package that
+needs another at call time depends on it as much as one that imports it at load time. The Ray check reads
+every import in taps_ray/spec, function-level included.
 """
 
 from __future__ import annotations
@@ -67,6 +71,25 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def unit(module: str) -> str:
+    """The package a module belongs to (``taps_ray.serving.verifier`` -> ``taps_ray.serving``); a top-level
+    module is its own unit."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other packages any of its modules imports anywhere (function-local imports included)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(unit(module), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                edges |= {unit(m) for m in _imported(node, module, path.name == "__init__.py", modules)}
+        edges.discard(unit(module))
+    return graph
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle ``[a, b, .., a]`` of ``graph``, or None."""
     state: dict[str, int] = {}
@@ -93,6 +116,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_module_level_imports_form_no_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_packages_form_no_cycle_counting_function_local_imports():
+    graph = package_graph()
+    assert "taps_ray.spec" in graph["taps_ray.serving"] and "taps_ray.config" in graph["taps_ray.models"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "package cycle (function-local imports count): " + " -> ".join(cycle)
 
 
 def test_the_cycle_finder_names_a_cycle():

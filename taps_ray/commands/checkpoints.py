@@ -18,11 +18,10 @@ def add_average(parser: argparse.ArgumentParser) -> None:
 
 def run_average(args: argparse.Namespace) -> int:
     from taps_ray.data.contamination import write_averaged
+    from taps_ray.drafter_sources import random_drafter_seed, resolve_drafter_dir
     from taps_ray.models.drafter import average_drafters, is_drafter_checkpoint
-    from taps_ray.models.release import resolve_drafter_dir
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.compose import averaging_weights
-    from taps_ray.spec.decoder import random_drafter_seed
     from taps_ray.spec.strategy import StrategySpec
 
     if len(args.drafter) < 2:

@@ -27,8 +27,8 @@ def load_experiment(args: argparse.Namespace) -> ExperimentConfig:
 def load_drafters(target, dirs: list[str], seed: int) -> list:
     """The drafters of ``dirs`` for ``target`` (none given: the shipped math drafter, else a fresh one of
     ``seed``); a drafter that cannot be loaded is a :class:`UserError`."""
+    from taps_ray.drafter_sources import default_release_drafter
     from taps_ray.models.drafter import DrafterLoadError
-    from taps_ray.models.release import default_release_drafter
     from taps_ray.spec.decoder import load_drafter
 
     if not dirs:

@@ -125,8 +125,8 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from taps_ray.config import TreeConfig
     from taps_ray.data.contamination import union_trained_prompts
+    from taps_ray.drafter_sources import default_release_drafter, resolve_drafter_dir
     from taps_ray.eval import bench
-    from taps_ray.models.release import default_release_drafter, resolve_drafter_dir
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.decoder import check_sampling
 

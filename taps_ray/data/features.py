@@ -174,8 +174,8 @@ class RegenerateActor(_TargetActor):
 def regeneration_drafter(target, source: str | None):
     """The drafter that speeds regeneration up: ``source`` (a folder or ``release:NAME``), the shipped
     ``release:math`` drafter when ``auto`` and it fits ``target``, or None (plain decoding)."""
+    from taps_ray.drafter_sources import default_release_drafter, resolve_drafter_dir
     from taps_ray.models.drafter import DrafterLoadError
-    from taps_ray.models.release import default_release_drafter, resolve_drafter_dir
     from taps_ray.spec.decoder import load_drafter
 
     if source is None:

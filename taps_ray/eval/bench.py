@@ -33,7 +33,7 @@ from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
 from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, engine_label
-from taps_ray.spec.decoder import generate, prompt_ids
+from taps_ray.spec.decoder import generate, greedy_steps, prompt_ids
 from taps_ray.spec.protocol import SingleStrategy
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -267,10 +267,7 @@ def drafter_tau(target: TargetModel, drafter: DraftHead, tree: TreeConfig, bench
     """Greedy tau of ``drafter`` with ``tree`` on ``limit`` questions of ``benchmark`` (those in
     ``exclude`` dropped first): ``{"benchmark", "questions", "tau", "max_new_tokens"}``."""
     prompts = benchmark_prompts(target, benchmark, limit, exclude=exclude)
-    steps = []
-    for ids in prompts:
-        steps += generate(target, ids, SingleStrategy(drafter, tree), None, max_new_tokens,
-                          collect_entropy=False).steps
+    steps = [s for question in greedy_steps(target, drafter, prompts, tree, max_new_tokens) for s in question]
     return {"benchmark": benchmark, "questions": len(prompts), "tau": round(stats.tau(steps), 3),
             "max_new_tokens": max_new_tokens}
 

@@ -18,9 +18,13 @@ from pathlib import Path
 from taps_ray.config import EvalConfig, ExperimentConfig, TreeConfig
 from taps_ray.data.benchmarks import BENCHMARKS
 from taps_ray.data.contamination import ContaminationError, read_trained_prompts
+from taps_ray.drafter_sources import (
+    RANDOM_DRAFTER,
+    ReleaseDrafterError,
+    random_drafter_seed,
+    resolve_drafter_dir,
+)
 from taps_ray.models.drafter import WEIGHTS_NAME
-from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
-from taps_ray.spec.decoder import RANDOM_DRAFTER, random_drafter_seed
 from taps_ray.spec.strategy import parse_strategy
 
 log = logging.getLogger(__name__)

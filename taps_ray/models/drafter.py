@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
+from taps_ray.drafter_sources import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetFingerprint
 from taps_ray.models.weight_storage import (
     INT8_ROWWISE,

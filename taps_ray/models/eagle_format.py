@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from taps_ray.drafter_sources import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.drafter import (
     ARCHITECTURE,
     CONFIG_NAME,
@@ -46,7 +47,6 @@ from taps_ray.models.drafter import (
     check_draft_vocabulary,
     drafter_llama_config,
 )
-from taps_ray.models.release import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.target import TargetFingerprint
 
 log = logging.getLogger(__name__)

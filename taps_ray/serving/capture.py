@@ -45,6 +45,7 @@ from taps_ray.runstate import atomic_write, write_json
 log = logging.getLogger(__name__)
 
 LOCK = ".capture.lock"
+TRAFFIC = "traffic"  # the dataset name a capture trains under (taps adapt)
 ORIGIN = "serve capture"
 
 

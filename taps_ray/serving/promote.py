@@ -28,7 +28,7 @@ from pathlib import Path
 
 from taps_ray.config import ExperimentConfig
 from taps_ray.runstate import append_jsonl, read_jsonl
-from taps_ray.train.adapt import TRAFFIC
+from taps_ray.serving.capture import TRAFFIC
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One request's decode session: the decode loop's run, its text and logprob stream, and the events
 it sends.
 
-A :class:`DecodeSession` is the loop's step observer (:class:`~taps_ray.spec.decoder.StepObserver`): it
+A :class:`DecodeSession` is the loop's step observer (:class:`~taps_ray.spec.stream.StepObserver`): it
 turns the tokens and text the loop commits into ``delta`` events (with the logprobs of the tokens that
 text consumed, :mod:`taps_ray.serving.logprobs`), and ends with the ``done`` event (finish reason, usage,
 the ``taps`` block of :func:`summarize`) from the loop's result. Stop sequences, cancellation, deadlines and

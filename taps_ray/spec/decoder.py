@@ -13,19 +13,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from taps_ray.config import SamplingConfig
+from taps_ray.config import SamplingConfig, TreeConfig
+from taps_ray.drafter_sources import random_drafter_seed
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
 from taps_ray.spec.cost import BatchLoad, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
-from taps_ray.spec.protocol import DecodeState, Strategy, VanillaStrategy
+from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
-from taps_ray.spec.text import TextStream
+from taps_ray.spec.stream import Cancel, StepObserver, TextStream, interrupted, observe, text_stream
 from taps_ray.spec.tree import DraftTree, check_distinct_siblings, repeated_siblings
 from taps_ray.spec.verify import (
     Verdict,
@@ -35,8 +35,6 @@ from taps_ray.spec.verify import (
     verify_greedy,
     verify_sampling,
 )
-
-RANDOM_DRAFTER = "random:"
 
 
 @dataclass
@@ -89,14 +87,6 @@ def load_drafter(target: TargetModel, directory: str | None = None, seed: int = 
     return DraftHead.load(directory, target.config, target.fingerprint, target.device, target.dtype)
 
 
-def random_drafter_seed(source: str) -> int | None:
-    """The seed of a ``random:SEED`` drafter source (a fresh, untrained drafter), or None for any other
-    source (a checkpoint folder); ValueError when SEED is not an integer."""
-    if not source.startswith(RANDOM_DRAFTER):
-        return None
-    return int(source[len(RANDOM_DRAFTER):])
-
-
 def load_drafter_source(target: TargetModel, name: str, source: str) -> DraftHead:
     """The drafter of ``source`` (a checkpoint folder, or ``random:SEED``) for ``target``, named ``name``
     in its metadata unless it has a name."""
@@ -141,24 +131,6 @@ def prompt_ids(target: TargetModel, prompt) -> torch.Tensor:
         raise ValueError(f"prompt has {ids.numel()} tokens; the target's max_context {target.max_context} "
                          f"leaves room for at most {target.max_context - 1}")
     return ids.to(target.device)
-
-
-class StepObserver(Protocol):
-    """Sees what the decode loop commits, as it commits it, and may end the loop.
-
-    ``on_step`` gets the token ids committed since its last call (the first token after the prefill, then
-    each step's kept tokens, cut after the token that completes a stop sequence) and the text they made
-    safe to send (:class:`~taps_ray.spec.text.TextStream`: held back while it may still grow into a stop
-    sequence or is an incomplete character); it returns a finish reason to end the loop after them, or None.
-    """
-
-    def on_step(self, tokens: list[int], text: str) -> str | None: ...
-
-
-class Cancel(Protocol):
-    """A cancellation flag (``threading.Event`` is one)."""
-
-    def is_set(self) -> bool: ...
 
 
 def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -269,7 +241,7 @@ def generate(
     The loop owns every way a request ends early: ``stop`` (stop sequences; needs the target's tokenizer)
     ends it after the token that completes one (finish ``stop``; the text ends before it); ``cancel`` (a
     flag, checked before each step) ends it with ``cancelled``; ``deadline`` (``time.monotonic()``) with
-    ``timeout``; ``observer`` (:class:`StepObserver`) sees each step's tokens and text and may end it with a
+    ``timeout``; ``observer`` (:class:`~taps_ray.spec.stream.StepObserver`) sees each step's tokens and text and may end it with a
     reason of its own. ``node_limit`` (None: none) gives, each step, the most nodes the tree to verify may
     have (a batch's load): a larger tree is cut to its best-scored nodes (:meth:`DraftTree.top`, counted in
     the step's ``shed``) and a limit of 1 decodes the step plainly without drafting (``load_plain``).
@@ -281,7 +253,7 @@ def generate(
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
     request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
     request.observer, request.cancel, request.deadline, request.node_limit = observer, cancel, deadline, node_limit
-    request.text = _text_stream(target, stop, observer)
+    request.text = text_stream(target.tokenizer, stop, observer)
     budget = budget if budget is not None else getattr(request.strategy, "tree_budget", None)
     if budget is not None and not isinstance(request.strategy, VanillaStrategy):
         request.budget = budget.bind(target)
@@ -297,6 +269,15 @@ def generate(
             request.load.drop(id(request))
     total_s = timer() - start
     return _result(request, finish, prefill_s, total_s)
+
+
+def greedy_steps(target: TargetModel, drafter: DraftHead, prompts, tree: TreeConfig,
+                 max_new_tokens: int) -> list[list[StepRecord]]:
+    """Each prompt's step records (``prompts``: token ids) under greedy speculative decoding with ``drafter``'s
+    EAGLE-2 tree, fixed in size (no cost-model budget: a tau that does not follow the machine's timings)."""
+    strategy = SingleStrategy(drafter, tree)
+    return [generate(target, torch.as_tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
+                     collect_entropy=False).steps for ids in prompts]
 
 
 def _setup(target: TargetModel, prompt, strategy: Strategy | None, sampling: SamplingConfig | dict | None,
@@ -316,42 +297,19 @@ def _setup(target: TargetModel, prompt, strategy: Strategy | None, sampling: Sam
     return _Request(target, strategy, sampling, max_new_tokens, eos, generator, collect_entropy, timer), ids
 
 
-def _text_stream(target: TargetModel, stop: Sequence[str] | None, observer: StepObserver | None) -> TextStream | None:
-    """The request's text stream: one when it has stop sequences or an observer (and the target a tokenizer)."""
-    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
-        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
-    if stop and target.tokenizer is None:
-        raise ValueError("stop sequences need the target's tokenizer; this target has none")
-    if target.tokenizer is None or not (stop or observer is not None):
-        return None
-    return TextStream(target.tokenizer, list(stop or []))
-
-
 def _interrupted(request: _Request) -> str | None:
     """``cancelled`` or ``timeout`` when the request's flag is set or its deadline has passed."""
-    if request.cancel is not None and request.cancel.is_set():
-        return "cancelled"
-    if request.deadline is not None and time.monotonic() > request.deadline:
-        return "timeout"
-    return None
+    return interrupted(request.cancel, request.deadline)
 
 
 def _observe(request: _Request, start: int) -> str | None:
-    """Hand the tokens committed at ``start .. length - 1`` to the text stream and the observer; at a stop
-    sequence, cut ``length`` after the token that completed it. The finish reason when the request ends."""
-    text, observer = request.text, request.observer
-    if text is None and observer is None:
+    """Hand the tokens committed at ``start .. length - 1`` to the request's text stream and observer; at a
+    stop sequence, cut ``length`` after the token that completed it. The finish reason when the request ends."""
+    if request.text is None and request.observer is None:
         return None
-    ids = request.tokens[start:request.length].tolist()
-    delta = ""
-    if text is not None:
-        before = text.used
-        delta = text.push(ids)
-        if text.hit:
-            ids = ids[:text.used - before]
-            request.length = start + len(ids)
-    reason = observer.on_step(ids, delta) if observer is not None else None
-    return "stop" if text is not None and text.hit else reason
+    kept, reason = observe(request.text, request.observer, request.tokens[start:request.length].tolist())
+    request.length = start + len(kept)
+    return reason
 
 
 def _prefill(request: _Request, ids: torch.Tensor) -> str | None:

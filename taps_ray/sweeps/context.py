@@ -66,9 +66,9 @@ def resolve_prompts(spec: SweepSpec, cfg: ExperimentConfig, target, sets: dict, 
 def check_interpolation_drafters(spec: InterpolationSweepSpec, target) -> dict[str, str]:
     """Absolute drafter sources; SweepError when a folder is no drafter, or when the drafters do not
     share one target (and shapes), or do not fit the experiment's target."""
+    from taps_ray.drafter_sources import random_drafter_seed
     from taps_ray.models.drafter import WEIGHTS_NAME, read_drafter_meta
     from taps_ray.models.target import TargetFingerprint
-    from taps_ray.spec.decoder import random_drafter_seed
 
     sources, metas = {}, {}
     for name, source in spec.drafters.items():

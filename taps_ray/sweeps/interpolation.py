@@ -16,8 +16,8 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.data.contamination import write_averaged
+from taps_ray.drafter_sources import resolve_drafter_dir
 from taps_ray.models.drafter import DraftHead, average_drafters
-from taps_ray.models.release import resolve_drafter_dir
 from taps_ray.spec.compose import check_drafters
 from taps_ray.spec.decoder import load_drafter_source
 from taps_ray.sweeps.config import InterpolationSweepSpec

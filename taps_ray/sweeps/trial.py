@@ -20,8 +20,7 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import append_jsonl, read_jsonl
 from taps_ray.spec import stats
-from taps_ray.spec.compose import build_strategy
-from taps_ray.spec.decoder import generate
+from taps_ray.spec.decoder import greedy_steps
 
 ATTEMPTS = "attempts.jsonl"
 _TARGETS: dict[str, TargetModel] = {}
@@ -75,11 +74,9 @@ def domain_taus(target: TargetModel, drafter: DraftHead, prompts: dict[str, list
                 max_new_tokens: int) -> dict[str, DomainTau]:
     """Greedy speculative decoding of every prompt (token ids) with ``drafter``'s EAGLE-2 tree, fixed in size
     (``tree.adaptive`` off: a trial's tau must not follow the machine's timings)."""
-    strategy = build_strategy("single", [drafter], tree.model_copy(update={"adaptive": False}))
     out = {}
     for domain, items in prompts.items():
-        per_question = [generate(target, torch.tensor(ids, dtype=torch.long), strategy, None, max_new_tokens,
-                                 collect_entropy=False).steps for ids in items]
+        per_question = greedy_steps(target, drafter, items, tree, max_new_tokens)
         steps = [s for question in per_question for s in question]
         out[domain] = DomainTau(
             tau=stats.tau(steps), tau_per_question=stats.mean_tau(stats.tau(q) for q in per_question),

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from taps_ray.config import ExperimentConfig, ObjectiveConfig, VariantConfig
 from taps_ray.runstate import atomic_copy, write_json
+from taps_ray.serving.capture import TRAFFIC
 
 log = logging.getLogger(__name__)
 
-TRAFFIC = "traffic"
 MIXTURE = "adapt"
 VERSION_PREFIX = "adapt-v"
 TAU_KIND = ("simulated tau (1 + sum of the greedy unrolled top-1 accuracies' products over train.eval_depth draft "
@@ -143,8 +143,8 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
     """Train the next version of ``source`` on the traffic of ``traffic`` (see module docstring);
     ``share`` overrides ``adapt.traffic_share``; ``out``: also copy the version folder there."""
     from taps_ray.data.feature_sets import load_feature_sets
+    from taps_ray.drafter_sources import absolute_drafter_spec
     from taps_ray.models.drafter import DrafterLoadError, DraftHead
-    from taps_ray.models.release import absolute_drafter_spec
     from taps_ray.train.launch import load_training_target, run_training
 
     if new and share is not None and share != 1.0:

@@ -24,7 +24,7 @@ from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
-from taps_ray.models.release import absolute_drafter_spec
+from taps_ray.drafter_sources import absolute_drafter_spec
 from taps_ray.runstate import atomic_copy
 from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
 from taps_ray.train.shards import FEATURE_COLUMNS, plan_blocks

@@ -17,7 +17,8 @@ from taps_ray import cli
 from taps_ray.config import CaptureConfig, ConfigError, load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash
 from taps_ray.models.drafter import DraftHead
-from taps_ray.train.adapt import TRAFFIC, AdaptError, gate_domains, model_card, run_adapt
+from taps_ray.serving.capture import TRAFFIC
+from taps_ray.train.adapt import AdaptError, gate_domains, model_card, run_adapt
 from tests.serving.test_capture import decode, make_verifier
 from tests.spec.spec_helpers import oracle_drafter
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment, write_features

@@ -1,8 +1,11 @@
-"""Release drafters: small drafters for the embedded target shipped as package data.
+"""Drafter sources: the strings that name a drafter, and what they resolve to (no model code).
 
-``release:NAME`` names the folder ``taps_ray/release/NAME/`` (``config.json``, ``model.safetensors``,
-a model card ``README.md`` saying how it was trained, ``trained_prompts.json``). Everywhere a drafter
-folder is accepted (``--drafter``, ``eval.drafters``, serve configs), ``release:NAME`` is too.
+- a checkpoint folder;
+- ``release:NAME``: a release drafter, a small drafter for the embedded target shipped as package data in
+  ``taps_ray/release/NAME/`` (``config.json``, ``model.safetensors``, a model card ``README.md`` saying how
+  it was trained, ``trained_prompts.json``). Everywhere a drafter folder is accepted (``--drafter``,
+  ``eval.drafters``, serve configs), ``release:NAME`` is too;
+- ``random:SEED`` (evaluation): a freshly initialised, untrained drafter (:func:`random_drafter_seed`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 RELEASE_PREFIX = "release:"
-RELEASE_DIR = Path(__file__).resolve().parents[1] / "release"
+RANDOM_DRAFTER = "random:"
+RELEASE_DIR = Path(__file__).resolve().parent / "release"
 
 
 class ReleaseDrafterError(ValueError):
@@ -46,3 +50,11 @@ def absolute_drafter_spec(spec: str) -> str:
 def default_release_drafter(role: str) -> str | None:
     """``release:ROLE`` when that drafter is shipped, else None."""
     return f"{RELEASE_PREFIX}{role}" if role in release_names() else None
+
+
+def random_drafter_seed(source: str) -> int | None:
+    """The seed of a ``random:SEED`` drafter source (a fresh, untrained drafter), or None for any other
+    source (a checkpoint folder); ValueError when SEED is not an integer."""
+    if not source.startswith(RANDOM_DRAFTER):
+        return None
+    return int(source[len(RANDOM_DRAFTER):])

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from taps_ray.models import release
+from taps_ray import drafter_sources as release
 from taps_ray.models.drafter import DrafterLoadError, DraftHead
 from tests.conftest import make_tiny_target
 
