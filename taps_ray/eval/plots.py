@@ -1,4 +1,6 @@
-"""The report's plots (``plots/*.png``): tau by strategy, acceptance by depth, tau vs alpha, speedup.
+"""The report's plots (``plots/*.png``): tau by strategy (with intervals), acceptance by depth, the entropy of
+accepted and rejected tokens (the paper's Figure 7), the acceptance grid of strategy x depth per benchmark
+(Figure 8), tau vs alpha, speedup.
 
 matplotlib is imported inside :func:`draw_plots`: only when plots are drawn, the tables need none of it.
 """
@@ -40,6 +42,12 @@ def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
             ax.set_ylim(0, 1.02)
             written.append(_save(fig, ax, out / f"acceptance_by_depth_{label}.png", "draft depth",
                                  f"Acceptance rate by depth, T={t:g}", ylabel="acceptance rate"))
+        rows = rows_at(tables, "entropy", t, pooled=True)
+        if rows:
+            written.append(_entropy_plot(plt, rows, out / f"entropy_{label}.png", t))
+        rows = [r for r in rows_at(tables, "depth", t) if r["benchmark"] != "all"]
+        if rows:
+            written.append(_depth_grid(plt, rows, data.benchmarks, out / f"depth_grid_{label}.png", t))
         rows = rows_at(tables, "alpha", t)
         if rows:
             fig, ax = plt.subplots(figsize=(6, 4))
@@ -61,6 +69,49 @@ def draw_plots(out: Path, tables: dict, data: Records) -> list[str]:
             written.append(_save(fig, ax, out / f"speedup_{label}.png",
                                  "speedup vs vanilla (tokens/s ratio, same prompts)", f"Wall-clock speedup, T={t:g}"))
     return written
+
+
+def _entropy_plot(plt, rows: list[dict], path: Path, t: float) -> str:
+    """Figure 7: per strategy, the mean draft and verifier entropy at accepted and at rejected tokens."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(rows) + 1.8), sharey=True)
+    names = [r["strategy"] for r in rows][::-1]
+    positions = range(len(names))
+    for ax, kind in zip(axes, ("draft", "target")):
+        for offset, (outcome, color) in enumerate((("accepted", "#6a9f58"), ("rejected", "#c0504d"))):
+            values = [r[f"{outcome}_{kind}"] for r in rows][::-1]
+            ax.barh([p + 0.4 * offset - 0.2 for p in positions], [0 if math.isnan(v) else v for v in values],
+                    height=0.4, color=color, label=outcome)
+        ax.set_yticks(list(positions), names)
+        ax.set_title(f"{'draft' if kind == 'draft' else 'verifier'} entropy", fontsize=9)
+        ax.set_xlabel("entropy (nats)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=7)
+    fig.suptitle(f"Entropy at accepted and rejected draft tokens, T={t:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _depth_grid(plt, rows: list[dict], benchmarks: list[str], path: Path, t: float) -> str:
+    """Figure 8: per benchmark, acceptance at each depth (columns) for each strategy (rows), as a heat map."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    depths = max(int(k[1:]) for r in rows for k in r if k.startswith("d") and k[1:].isdigit())
+    shown = [b for b in benchmarks if any(r["benchmark"] == b for r in rows)]
+    fig, axes = plt.subplots(1, len(shown), figsize=(2.2 * len(shown) + 2.5, 0.35 * len(strategies) + 1.8),
+                             sharey=True, squeeze=False)
+    for ax, bench in zip(axes[0], shown):
+        by = {r["strategy"]: r for r in rows if r["benchmark"] == bench}
+        grid = [[by.get(s, {}).get(f"d{d}", math.nan) for d in range(1, depths + 1)] for s in strategies]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(depths), [str(d) for d in range(1, depths + 1)])
+        ax.set_yticks(range(len(strategies)), strategies)
+        ax.set_title(bench, fontsize=9)
+        ax.set_xlabel("depth")
+    fig.colorbar(image, ax=axes[0].tolist(), label="acceptance rate")
+    fig.suptitle(f"Acceptance by depth per benchmark, T={t:g}")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path.name
 
 
 def _bar_chart_size(rows: list[dict]) -> tuple[float, float]:

@@ -89,12 +89,15 @@ def entropy_section(tables: dict, data: Records, t: float) -> list[str]:
     rows = rows_at(tables, "entropy", t, pooled=True)
     if not rows:
         return []
-    return ["### Draft entropy at accepted vs rejected tokens (Table 3)", "",
-            "Nats, all benchmarks pooled; per benchmark in `tables/entropy.csv`.", "",
-            markdown_table(rows, ["strategy", "accepted_draft", "rejected_draft", "accepted_tokens",
-                                  "rejected_tokens"]), "",
-            "### Verifier entropy at accepted vs rejected tokens (Table 4)", "",
-            markdown_table(rows, ["strategy", "accepted_target", "rejected_target"]), ""]
+    return ["### Entropy at accepted vs rejected tokens (the paper's Tables 3-4 layout, Figure 7)", "",
+            "Nats, all benchmarks pooled (per benchmark in `tables/entropy.csv`); draft = the drafter's distribution "
+            "each token was drawn from, verifier = the target's it was verified against; delta = rejected - "
+            "accepted. The paper gives one such table per backbone (EAGLE-2: Table 3, HASS: Table 4); here "
+            "each row is one strategy of this run.", "",
+            markdown_table(rows, ["strategy", "accepted_draft", "rejected_draft", "draft_delta", "accepted_target",
+                                  "rejected_target", "target_delta", "accepted_tokens", "rejected_tokens"],
+                           ["strategy", "draft: accepted", "draft: rejected", "draft: delta", "verifier: accepted",
+                            "verifier: rejected", "verifier: delta", "accepted tokens", "rejected tokens"]), ""]
 
 
 def depth_section(tables: dict, data: Records, t: float) -> list[str]:

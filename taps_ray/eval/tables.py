@@ -151,7 +151,7 @@ def speculative_groups(data: Records):
 
 def entropy_table(data: Records) -> list[dict]:
     """Rows (temperature, strategy, benchmark | all): mean draft / target entropy at accepted and at
-    rejected draft tokens (the first tried child at the first failing depth)."""
+    rejected draft tokens (the first tried child at the first failing depth), and rejected - accepted."""
     rows = []
     for t, s, b, group in speculative_groups(data):
         acc_d = [v for r in group for step in r.get("draft_entropy", []) for v in step if v is not None]
@@ -160,7 +160,9 @@ def entropy_table(data: Records) -> list[dict]:
         rej_t = [v for r in group for v in r.get("rejected_target_entropy", []) if v is not None]
         rows.append({"temperature": t, "strategy": s, "benchmark": b,
                      "accepted_draft": _mean(acc_d), "rejected_draft": _mean(rej_d),
+                     "draft_delta": _mean(rej_d) - _mean(acc_d),
                      "accepted_target": _mean(acc_t), "rejected_target": _mean(rej_t),
+                     "target_delta": _mean(rej_t) - _mean(acc_t),
                      "accepted_tokens": len(acc_d), "rejected_tokens": len(rej_d)})
     return rows
 

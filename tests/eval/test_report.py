@@ -117,6 +117,7 @@ def test_routing_table_counts_steps_and_questions(tables):
 def test_entropy_table_separates_accepted_and_rejected(tables):
     r = row(tables["entropy"], strategy="single:math", benchmark="all")
     assert (r["accepted_draft"], r["rejected_draft"], r["accepted_target"], r["rejected_target"]) == (1.0, 2.0, 0.5, 1.5)
+    assert (r["draft_delta"], r["target_delta"]) == (1.0, 1.0)
     assert r["accepted_tokens"] == sum(HI) * 2 + sum(LO) * 2
     assert r["rejected_tokens"] == sum(a < DEPTH for a in HI + LO) * 2
 
@@ -248,9 +249,10 @@ def test_write_report_and_cli(tmp_path):
     assert main(["report", str(out)]) == 0
     text = (out / "report.md").read_text()
     assert "## Claims" in text and "| single:math | 2.00 [2.00, 2.00] | 3.80 [3.80, 3.80] | 2.90 [2.90, 2.90] |" in text
+    assert "| single:math | 1.00 | 2.00 | 1.00 | 0.50 | 1.50 | 1.00 |" in text, "draft and verifier, with deltas"
     for name in ("tau", "routing", "entropy", "acceptance_by_depth", "tau_vs_alpha", "speed", "claims"):
         assert (out / "tables" / f"{name}.csv").read_text().count("\n") > 1
-    for name in ("tau_T0", "acceptance_by_depth_T0", "tau_vs_alpha_T0", "speedup_T0"):
+    for name in ("tau_T0", "acceptance_by_depth_T0", "entropy_T0", "depth_grid_T0", "tau_vs_alpha_T0", "speedup_T0"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["records"] == len(records) and len(summary["claims"]) == len(CLAIMS) == 9
