@@ -15,6 +15,8 @@ class TextStream:
     :meth:`push` takes committed token ids and returns the text that is safe to send: it holds back
     a tail that may still grow into a stop sequence and an incomplete character at the end. After
     a stop sequence, ``hit`` is set, the text ends before it and ``used`` counts the tokens consumed.
+    A push decodes once; only a push whose text holds a stop sequence decodes token by token to find the
+    token that completes it.
     """
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
@@ -30,8 +32,15 @@ class TextStream:
     def used(self) -> int:
         return len(self.ids)
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int] | None = None) -> str:
+        return self.tokenizer.decode(self.ids if ids is None else ids, skip_special_tokens=True)
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the first stop sequence begins in ``text`` (searched from where the last text could have
+        begun one), or None."""
+        start = max(0, len(self.text) - self.window)
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
 
     def _pending_stop(self) -> int:
         """Length of the longest tail of the text that begins a stop sequence."""
@@ -43,17 +52,16 @@ class TextStream:
     def push(self, ids: list[int]) -> str:
         if self.hit or not ids:
             return ""
-        if not self.stop:
+        text = self._decode(self.ids + ids)
+        if not self.stop or self._first_stop(text) is None:
             self.ids += ids
-            self.text = self._decode()
-        else:
+            self.text = text
+        else:  # a stop sequence is in there: find the token that completes it, one at a time
             for token in ids:
                 self.ids.append(token)
                 text = self._decode()
-                start = max(0, len(self.text) - self.window)
-                found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-                if found:
-                    self.text, self.hit = text[:min(found)], True
+                if (at := self._first_stop(text)) is not None:
+                    self.text, self.hit = text[:at], True
                     break
                 self.text = text
         safe = len(self.text) if self.hit else len(self.text) - self._pending_stop()

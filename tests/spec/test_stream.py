@@ -31,6 +31,23 @@ def test_text_stream_holds_back_possible_stops_and_partial_characters():
     assert plain.push([ord("h"), ord("i")]) == "hi" and plain.flush() == "" and plain.used == 2
 
 
+class CountingTokenizer(CharTokenizer):
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_a_push_decodes_once_unless_it_holds_a_stop():
+    tokenizer = CountingTokenizer()
+    stream = TextStream(tokenizer, ["END"])
+    assert stream.push([ord(c) for c in "abcdefgh"]) == "abcdefgh" and tokenizer.calls == 1
+    assert stream.push([ord(c) for c in "xyENDzz"]) == "xy" and stream.used == 13
+    assert tokenizer.calls == 1 + 1 + 5, "one look at the whole push, then token by token up to the D"
+
+
 def test_interrupted_names_the_reason():
     flag = threading.Event()
     assert interrupted(flag, time.monotonic() + 60) is None and interrupted(None, None) is None
