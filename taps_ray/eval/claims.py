@@ -5,8 +5,8 @@ when it cannot be measured, and a check that reads the tables at temperature 0 a
 *margin* (positive exactly when the claim holds on these numbers) with the numbers behind it.
 :func:`evaluate_claims` runs them all in one loop, on the run's records and on paired bootstrap resamples
 of its questions (:mod:`taps_ray.eval.intervals`): a claim *holds* when the whole interval of its margin is
-above 0, *does not hold* when it is below 0, and is *inconclusive* when the interval spans 0 (more questions
-would decide it). Drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are
+above 0, *does not hold* when none of it is (a margin of exactly 0 is a tie, and a tie is not the claimed
+difference), and is *inconclusive* when the interval spans 0 (more questions would decide it). Drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are
 missing is "not measured". Each claim line of the report (:func:`claim_line`) states the claim, its status,
 its numbers, the margin's interval and the questions behind it, so the report reads on its own.
 """
@@ -140,7 +140,7 @@ class Claim:
         if not resampled or decided < len(resampled) / 2 or math.isnan(low):
             status = INCONCLUSIVE
         else:
-            status = HOLDS if low > 0 else FAILS if high < 0 else INCONCLUSIVE
+            status = HOLDS if low > 0 else FAILS if high <= 0 else INCONCLUSIVE
         evidence += (f"; margin {margin:+.3f}, {LEVEL:.0%} interval [{low:+.3f}, {high:+.3f}] over "
                      f"{len(resampled)} paired resamples of n = {questions}")
         return {"id": self.id, "claim": self.text, "status": status, "evidence": evidence,

@@ -201,6 +201,10 @@ def test_a_claim_is_inconclusive_on_few_noisy_questions_and_decided_on_many():
     assert (many[1]["high"] - many[1]["low"]) < (few[1]["high"] - few[1]["low"]) / 3
     assert "n = 200 questions per benchmark" in many[1]["evidence"]
     assert few[2]["status"] == MISSING and few[2]["margin"] is None
+    same = [record(s, b, q, [q % 3, 2, 1, 3], drafters=[s[7:]]) for s in ("single:math", "single:chat")
+            for b in ("gsm8k", "mt_bench") for q in range(4)]
+    tie = {c["id"]: c for c in evaluate_claims(build_tables(same)[1])}
+    assert (tie[1]["low"], tie[1]["high"]) == (0.0, 0.0) and tie[1]["status"] == FAILS, "a tie is not a lead"
 
 
 def test_claims_follow_the_numbers_not_the_expectations():
