@@ -1,14 +1,15 @@
 """The eight claims of the TAPS paper, checked on the report's tables (docs/DESIGN.md, "Claims the report checks").
 
 :data:`CLAIMS` is a table of :class:`Claim` objects: each states the claim in words, what it needs
-when it cannot be measured, and a check that reads the tables at temperature 0 and answers the claim's
+when it cannot be measured, and a check that reads the tables at one temperature and answers the claim's
 *margin* (positive exactly when the claim holds on these numbers) with the numbers behind it.
-:func:`evaluate_claims` runs them all in one loop, on the run's records and on paired bootstrap resamples
-of its questions (:mod:`taps_ray.eval.intervals`): a claim *holds* when the whole interval of its margin is
-above 0, *does not hold* when none of it is (a margin of exactly 0 is a tie, and a tie is not the claimed
-difference), and is *inconclusive* when the interval spans 0 (more questions would decide it). Drafter roles are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are
-missing is "not measured". Each claim line of the report (:func:`claim_line`) states the claim, its status,
-its numbers, the margin's interval and the questions behind it, so the report reads on its own.
+:func:`evaluate_claims` runs them all at every temperature of the run, on its records and on paired bootstrap
+resamples of its questions (:mod:`taps_ray.eval.intervals`): a claim *holds* when the whole interval of its
+margin is above 0, *does not hold* when none of it is (a margin of exactly 0 is a tie, and a tie is not the
+claimed difference), and is *inconclusive* when the interval spans 0 (more questions would decide it). Drafter
+roles are the names ``math``, ``chat`` and ``mixed``; a claim whose inputs are missing is "not measured". Each
+claim line of the report (:func:`claim_line`) states the claim, its status, its numbers, the margin's interval
+and the questions behind it, so the report reads on its own.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The tables and their metric definitions live in :mod:`taps_ray.eval.tables`, the plots in
 :mod:`taps_ray.eval.plots`, the eight claims of the TAPS paper in :mod:`taps_ray.eval.claims`
-(evaluated at each temperature of the run, with bootstrap intervals; docs/DESIGN.md, "Claims the report checks"). This
-module renders them: one function per section of ``report.md`` (:data:`SECTIONS`, also read by
+(evaluated at each temperature of the run, with bootstrap intervals; docs/DESIGN.md, "Claims the report
+checks"). This module renders them: one function per section of ``report.md`` (:data:`SECTIONS`, also read by
 ``taps demo``), the run's exactness accounting and the sweeps it includes, and writes the files.
 """
 
@@ -71,11 +71,11 @@ def _table_section(title: str, rows: list[dict], columns: list[str], note: str |
 
 def tau_section(tables: dict, data: Records, t: float) -> list[str]:
     b = data.benchmarks
-    rows = [{"strategy": r["strategy"], **{c: with_interval(r, c) for c in [*b, "avg"]}} for r in rows_at(tables, "tau", t)]
-    counts = rows_at(tables, "tau", t)
+    raw = rows_at(tables, "tau", t)
+    rows = [{"strategy": r["strategy"], **{c: with_interval(r, c) for c in [*b, "avg"]}} for r in raw]
     return ["### Acceptance length tau (Table 1)", "", INTERVAL_NOTE + ".", "",
             markdown_table(rows, ["strategy", *b, "avg"]), "",
-            "Questions per cell: " + ", ".join(f"{x}: {counts[0].get(f'{x}_n', 0)}" for x in b) if rows else "", ""]
+            "Questions per cell: " + ", ".join(f"{x}: {raw[0].get(f'{x}_n', 0)}" for x in b) if raw else "", ""]
 
 
 def routing_section(tables: dict, data: Records, t: float) -> list[str]:

@@ -33,6 +33,7 @@ from taps_ray.spec.stats import StepRecord
 
 log = logging.getLogger(__name__)
 
+
 def summarize(plan: Plan, records: list[StepRecord], skips: dict, prefill_s: float | None, total_s: float) -> dict:
     """The response's ``taps`` block (and what the metrics count) from the loop's step ``records``: the
     accepted and appended counts (the loop cut the last step's at a stop sequence), the time spent waiting
