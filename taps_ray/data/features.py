@@ -364,6 +364,7 @@ def _prepare_dataset(cfg: ExperimentConfig, name: str, target, final: Path, fing
         "megabytes": round(sum(p.stat().st_size for p in partial.glob("*.parquet")) / 2**20, 2),
         "seconds": round(seconds, 2), "skipped": skipped, "truncated": truncated, "regenerated": regenerated,
         "max_len": max_len, "target": fingerprint, "format": FORMAT_VERSION,
+        "computed_by": {k: target.describe().get(k) for k in ("device", "dtype", "engine", "weights")},
         "config": cfg.data.datasets[name].model_dump(),
     }
     write_feature_prompts(partial, hashes)

@@ -226,12 +226,14 @@ def primary_method(records: list[dict]) -> str:
 def speed_table(data: Records) -> list[dict]:
     """Rows (temperature, strategy): tokens/s against vanilla on the same questions, speedup, tau,
     verified tree size (and the union before pruning), draft / verify ms per step, share of questions
-    whose output equals vanilla's (greedy losslessness, T = 0)."""
+    whose output equals vanilla's (greedy losslessness, T = 0). Records decoded in a batch (``batched``) have
+    no time of their own and no row."""
     rows = []
     for t in data.temperatures:
         vanilla = {(r["benchmark"], str(r["question_id"])): r for r in data.get(t, "vanilla")}
         for s in data.strategies:
-            group = [r for r in data.get(t, s) if (r["benchmark"], str(r["question_id"])) in vanilla]
+            group = [r for r in data.get(t, s) if (r["benchmark"], str(r["question_id"])) in vanilla
+                     and r.get("batched", 1) == 1]
             if not group:
                 continue
             base = [vanilla[(r["benchmark"], str(r["question_id"]))] for r in group]

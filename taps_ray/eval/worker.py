@@ -23,6 +23,7 @@ from taps_ray.eval.plan import EvalError, EvalPlan
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
+from taps_ray.spec.batch import generate_together
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import GenerationResult, generate, load_drafter_source, prompt_ids
 
@@ -145,21 +146,28 @@ class EvalWorker:
                 for name in self.plan.strategies if not (skip_vanilla and name == "vanilla")}
 
     def run(self, unit: Unit) -> list[dict]:
-        """Records of ``unit``'s strategies, in order, then of its production runs."""
+        """Records of ``unit``'s strategies, in order, then of its production runs. With production runs (method
+        ``both``) the speed table times those, so the paper-tree runs other than vanilla decode together, one
+        batched verification forward per step (:func:`~taps_ray.spec.batch.generate_together`): what they
+        measure -- tokens, acceptance, entropy, depth -- does not depend on timing or on batching (the engine's
+        rows are batch-invariant), and their records say ``batched`` (how many decoded together), untimed."""
+        together = [name for name in unit.strategies if name != "vanilla"] if self.production else []
+        if len(together) < 2:
+            together = []
         runs = [(name, self.strategies[name], self.plan.method) for name in unit.strategies]
         runs += [(name, self.production[name], "production") for name in unit.production]
+        decoded = self._decode_together(unit, [self.strategies[name] for name in together]) if together else []
+        batched = dict(zip(together, decoded))
         records = []
         for name, strategy, method in runs:
-            results: list[GenerationResult] = []
-            prompts: list[list[int]] = []
-            for turn in range(len(unit.question.turns)):
-                ids = conversation_ids(self.target, unit.question.turns[:turn + 1], results)
-                prompts.append(ids.tolist())
-                sampling = SamplingConfig(temperature=unit.temperature, top_p=self.plan.top_p, top_k=self.plan.top_k,
-                                          seed=sampling_seed(unit.question, turn, self.plan.seed))
-                results.append(generate(self.target, ids, strategy, sampling, self.plan.max_new_tokens))
+            if method != "production" and name in batched:
+                results, prompts = batched[name]
+            else:
+                results, prompts = self._decode(unit, [strategy])[0]
             record = make_record(unit.question, name, self.plan.drafters_of(name), unit.temperature, results)
             record["method"] = method
+            if method != "production" and name in batched:
+                record["batched"] = len(together)
             budget = getattr(strategy, "tree_budget", None)
             if budget is not None and budget.cost is not None:
                 record["cost_model"] = budget.cost.describe()
@@ -168,3 +176,35 @@ class EvalWorker:
             record["output_ids"] = [r.token_ids for r in results]
             records.append(record)
         return records
+
+    def _sampling(self, unit: Unit, turn: int) -> SamplingConfig:
+        return SamplingConfig(temperature=unit.temperature, top_p=self.plan.top_p, top_k=self.plan.top_k,
+                              seed=sampling_seed(unit.question, turn, self.plan.seed))
+
+    def _decode(self, unit: Unit, strategies: list) -> list[tuple[list[GenerationResult], list[list[int]]]]:
+        """Each strategy's (results per turn, prompt ids per turn) of ``unit``'s question, one after another."""
+        out = []
+        for strategy in strategies:
+            results: list[GenerationResult] = []
+            prompts: list[list[int]] = []
+            for turn in range(len(unit.question.turns)):
+                ids = conversation_ids(self.target, unit.question.turns[:turn + 1], results)
+                prompts.append(ids.tolist())
+                results.append(generate(self.target, ids, strategy, self._sampling(unit, turn),
+                                        self.plan.max_new_tokens))
+            out.append((results, prompts))
+        return out
+
+    def _decode_together(self, unit: Unit, strategies: list) -> list[tuple[list[GenerationResult], list[list[int]]]]:
+        """As :meth:`_decode`, every strategy's turn decoded in one batch."""
+        results: list[list[GenerationResult]] = [[] for _ in strategies]
+        prompts: list[list[list[int]]] = [[] for _ in strategies]
+        for turn in range(len(unit.question.turns)):
+            ids = [conversation_ids(self.target, unit.question.turns[:turn + 1], done) for done in results]
+            for held, prompt in zip(prompts, ids):
+                held.append(prompt.tolist())
+            answers, _ = generate_together(self.target, ids, strategies, [self._sampling(unit, turn)] * len(ids),
+                                           max_batch=len(ids), wait_s=0.05, max_new_tokens=self.plan.max_new_tokens)
+            for done, answer in zip(results, answers):
+                done.append(answer)
+        return list(zip(results, prompts))

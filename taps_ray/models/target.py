@@ -384,7 +384,19 @@ class TargetModel:
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher-forced last hidden states [B, T, H] for right-padded ``input_ids`` [B, T]."""
+        """Teacher-forced last hidden states [B, T, H] for right-padded ``input_ids`` [B, T] (``attention_mask``
+        [B, T]: 1 on real tokens; None: all real). On the static engine each row runs unpadded, as its own
+        prefill would (the features a drafter sees when it decodes); padded positions are zero."""
+        if self.engine is not None:
+            lengths = ([input_ids.shape[1]] * input_ids.shape[0] if attention_mask is None
+                       else attention_mask.sum(1).tolist())
+            out = torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=self.device)
+            for row, n in enumerate(lengths):
+                if n:
+                    out[row, :n] = self.engine.forward(input_ids[row, :n].to(self.device),
+                                                       torch.arange(n, device=self.device),
+                                                       [Segment(self.engine.new_cache(n), n, None)])
+            return out
         out = self.model.base_model(input_ids=input_ids.to(self.device),
                                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
                                use_cache=False)

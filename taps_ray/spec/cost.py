@@ -17,10 +17,14 @@ than when it was measured does not misjudge drafting's own seconds against it. T
 tokens are proposed, never which are accepted.
 
 In a batch (several requests verified by one forward, :mod:`taps_ray.spec.batch`) the forward's time is
-shared: :class:`BatchLoad` holds each request's last rows and appended tokens, and a request with ``R``
-other rows expected to append ``S`` tokens keeps the n that maximises
-``(E(n) + S) / (draft_s + verify(R + n))`` -- the batch's tokens per second -- so a busy verifier
-drafts less (R = S = 0 alone).
+shared, and it waits for every request's drafting: :class:`BatchLoad` holds each request's last rows,
+appended tokens and drafting seconds. The ``N - 1`` other requests that share this request's budget (its
+peers) decide alike, so they are counted as doing what it does; the rest, with ``R`` rows expected to append
+``S`` tokens after ``D`` seconds of drafting, as they did. A request keeps the n that maximises the batch's
+tokens per second ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` -- a busy verifier drafts less,
+and a batch of requests sharing a budget drafts only when drafting for all of them beats decoding all of them
+plainly (N = 1, R = S = D = 0 alone). While drafting does not pay, the probes that check it again back off
+(their interval doubles after each probe that still does not pay, up to ``8 * probe_every``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -198,34 +203,48 @@ def _cost_model(target, refresh: bool) -> CostModel:
     return model
 
 
+class Others(NamedTuple):
+    """The other requests of a batch, as this request's step sees them: ``peers``, how many share its budget
+    (they decide alike); the rest's ``rows`` in the forward, the ``tokens`` they are expected to append and the
+    ``draft_s`` seconds of drafting the forward waits for."""
+
+    rows: int = 0
+    tokens: int = 0
+    draft_s: float = 0.0
+    peers: int = 0
+
+
 class BatchLoad:
-    """The rows and appended tokens of each request's last step in one shared verifier (thread-safe):
+    """The rows, appended tokens and drafting seconds of each request's last step in one shared verifier
+    (thread-safe):
     what the other requests of a batch add to a forward (see the module docstring); and the rows and
     seconds of the verifier's last forward itself (``last_forward``: what a request waiting in the batch
     for the others' drafting would not tell)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._last: dict[int, tuple[int, int]] = {}
+        self._last: dict[int, tuple[Others, int | None]] = {}
         self.last_forward: tuple[int, float] | None = None
 
     def forward(self, rows: int, seconds: float) -> None:
         self.last_forward = (rows, seconds)
 
-    def note(self, key: int, rows: int, tokens: int) -> None:
+    def note(self, key: int, rows: int, tokens: int, draft_s: float = 0.0, group: int | None = None) -> None:
+        """Request ``key``'s last step; ``group``: the id of the budget it decides with (None: none)."""
         with self._lock:
-            self._last[key] = (rows, tokens)
+            self._last[key] = (Others(rows, tokens, draft_s), group)
 
     def drop(self, key: int) -> None:
         with self._lock:
             self._last.pop(key, None)
 
-    def others(self, key: int) -> tuple[int, int]:
-        """(rows, tokens) of every request but ``key`` at its last step."""
+    def others(self, key: int, group: int | None = None) -> Others:
+        """Every request but ``key`` at its last step: how many are in ``group``, the sums over the rest."""
         with self._lock:
-            rows = sum(r for k, (r, _) in self._last.items() if k != key)
-            tokens = sum(t for k, (_, t) in self._last.items() if k != key)
-        return rows, tokens
+            last = [(v, g) for k, (v, g) in self._last.items() if k != key]
+        rest = [v for v, g in last if group is None or g != group]
+        return Others(sum(v.rows for v in rest), sum(v.tokens for v in rest), sum(v.draft_s for v in rest),
+                      len(last) - len(rest))
 
 
 SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -236,7 +255,8 @@ class TreeBudget:
     """Per-step tree sizes for one drafting strategy (see the module docstring); share one across that
     strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
     :func:`cost_model`, taken by :meth:`bind` when a decode starts); ``decay``: weight of the past per observed
-    step; ``probe_every``: how often a step drafts while drafting does not pay; ``explore_every``: how often
+    step; ``probe_every``: how often a step drafts once drafting stops paying (the interval doubles after each
+    probe that still does not pay, up to ``8 * probe_every``); ``explore_every``: how often
     a drafted step verifies its whole tree, so that every score bin keeps being observed; ``chosen``: the node
     counts of the last 4096 decisions.
 
@@ -261,6 +281,7 @@ class TreeBudget:
         self._drafted_steps = 0
         self._gain = self._draft_s = self._nodes = 0.0
         self._skipped = 0
+        self._probe_gap = probe_every
         self._drafted = 0
         self._scaled = 0
         self.scale = 1.0
@@ -279,26 +300,31 @@ class TreeBudget:
     def _bin(self, score: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(-score.double().cpu(), -self._edges, right=False)
 
-    def should_draft(self, others: tuple[int, int] = (0, 0)) -> bool:
+    def should_draft(self, others: tuple = Others()) -> bool:
         """Whether this step drafts: yes unless, at the recent drafted steps' tokens, drafting seconds and
-        verified nodes, a drafted step would append fewer tokens per second than a plain one, counting the
-        ``others`` (rows, tokens) of the batch (``(g + S) / (d + verify(R + n))`` against
-        ``(1 + S) / verify(R + 1)``); then once every ``probe_every`` steps (of the batch: every
-        ``probe_every * (1 + R)`` calls of a budget its requests share), to see again."""
+        verified nodes, drafted steps would append fewer tokens per second than plain ones beside the batch's
+        :class:`Others` (``(N g + S) / (D + N d + verify(R + N n))`` against ``(N + S) / (D + verify(R + N))``,
+        N = 1 + peers); then once in a while, to see again: after ``probe_every`` skipped steps (``probe_every *
+        N`` calls of the budget its peers share), the gap doubling after each probe that still does not pay."""
+        others = Others(*others)
         if not self._drafted_steps or self.pays(others):
+            self._probe_gap, self._skipped = self.probe_every, 0
             return True
         self._skipped += 1
-        if self._skipped >= self.probe_every * (1 + others[0]):
+        if self._skipped >= self._probe_gap * (1 + others.peers):
             self._skipped = 0
+            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
             return True
         return False
 
-    def pays(self, others: tuple[int, int] = (0, 0)) -> bool:
+    def pays(self, others: tuple = Others()) -> bool:
         """Whether drafting, as recently observed, beats a plain step beside ``others`` (see
         :meth:`should_draft`)."""
-        rows, tokens = others
-        drafted = (self._gain + tokens) / (self._draft_s + self.scale * float(self.cost.verify(rows + self._nodes)))
-        plain = (1 + tokens) / (self.scale * float(self.cost.verify(rows + 1)))
+        rows, tokens, waits, peers = Others(*others)
+        n = 1 + peers
+        drafted = (n * self._gain + tokens) / (waits + n * self._draft_s
+                                               + self.scale * float(self.cost.verify(rows + n * self._nodes)))
+        plain = (n + tokens) / (waits + self.scale * float(self.cost.verify(rows + n)))
         return drafted >= plain
 
     @staticmethod
@@ -318,10 +344,10 @@ class TreeBudget:
         chance[0] = 1.0
         return torch.where(tree.mask.cpu(), chance[None, :], torch.inf).min(1).values[1:]
 
-    def choose(self, tree: DraftTree, draft_s: float, others: tuple[int, int] = (0, 0)) -> DraftTree | None:
+    def choose(self, tree: DraftTree, draft_s: float, others: tuple = Others()) -> DraftTree | None:
         """The ``n`` nodes of ``tree`` most likely accepted, for the n that maximises expected tokens per
         second, or None when a plain step (n = 1) does; every ``explore_every``-th call the whole tree.
-        ``others``: the rows and expected tokens of the other requests in the same forward."""
+        ``others``: the other requests of the same forward (:class:`Others`)."""
         if tree.size <= 1:
             return None
         self._drafted += 1
@@ -330,10 +356,11 @@ class TreeBudget:
             return tree
         chance = self.chance(tree)
         order = torch.sort(chance, descending=True, stable=True).indices
-        rows, tokens = others
-        expected = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)]) + tokens
+        rows, tokens, waits, peers = Others(*others)
+        n = 1 + peers
+        expected = n * torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)]) + tokens
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
-        seconds = self.scale * self.cost.verify(sizes + rows) + draft_s
+        seconds = self.scale * self.cost.verify(n * sizes + rows) + n * draft_s + waits
         n = int((expected / seconds).argmax()) + 1
         self.chosen.append(n)
         if n == 1:

@@ -21,7 +21,7 @@ from taps_ray.drafter_sources import random_drafter_seed
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec import stats
-from taps_ray.spec.cost import BatchLoad, TreeBudget
+from taps_ray.spec.cost import BatchLoad, Others, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord
@@ -344,7 +344,8 @@ def _step(request: _Request) -> str | None:
         return "context"
     t0, wall = request.timer(), time.perf_counter()
     budget, tree = request.budget, None
-    others = request.load.others(id(request)) if request.load is not None else (0, 0)
+    group = None if budget is None else id(budget)
+    others = request.load.others(id(request), group) if request.load is not None else Others()
     limit = None if request.node_limit is None else max(1, request.node_limit())
     state = DecodeState(request.tokens[:request.length], r, request.prompt_len, len(request.steps))
     limited = {"shed": 0, "load_plain": limit == 1}
@@ -371,7 +372,7 @@ def _step(request: _Request) -> str | None:
             other_rows = total - (1 if tree is None else tree.size)
         budget.observe(tree, request.path, draft_s, verify_s, max(other_rows, 0))
         if request.load is not None:
-            request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()))
+            request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()), draft_s, group)
     return _append(request, new, features, rows, record, t0, t1)
 
 

@@ -151,6 +151,19 @@ def test_speed_against_vanilla_on_the_same_questions(tables):
     assert row(tables["speed"], strategy="merged:union")["tree_size"] == 15
 
 
+def test_records_decoded_in_a_batch_have_no_speed_and_the_report_says_why():
+    from taps_ray.eval.report import speed_section
+
+    records = [{**r, "batched": 7} if r["strategy"] not in ("vanilla", "single:math") else r
+               for r in paper_like_records()]
+    tables, data = build_tables(records)
+    assert {r["strategy"] for r in tables["speed"]} == {"vanilla", "single:math"}
+    assert row(tables["tau"], strategy="merged:budget")["avg"] == row(build_tables(paper_like_records())[0]["tau"],
+                                                                        strategy="merged:budget")["avg"]
+    text = "\n".join(speed_section(tables, data, 0.0))
+    assert "decoded 7 strategies at a time" in text
+
+
 def test_claims_hold_on_paper_like_numbers(tables):
     """Every claim holds on these numbers but two. 5b: the budget merge (tau 3.0) is below confidence routing
     (3.8). 6 holds only on the run's own two questions: entropy routing sends one of them to each drafter, so

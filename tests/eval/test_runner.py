@@ -75,6 +75,8 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
     production = [r for r in records if r["method"] == "production"]
     assert len(records) == len(by_key(records)) == 3 * 2 * (2 * len(strategies) - 1)
     assert {r["strategy"] for r in paper} == set(strategies) == {r["strategy"] for r in production} | {"vanilla"}
+    assert {r.get("batched") for r in paper if r["strategy"] != "vanilla"} == {len(strategies) - 1}
+    assert not any("batched" in r for r in production + [r for r in paper if r["strategy"] == "vanilla"])
     assert all(s <= 8 for r in paper if r["strategy"] != "merged:union" for s in r["tree_size"])
     assert not any(r["strategy"] == "merged:budget" and set(r["tree_size"]) != {8} for r in paper)
     run = json.loads((out / RUN_FILE).read_text())
@@ -109,6 +111,21 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
     assert make_plan(config("eval.method=paper")).production_tree is None
     only = make_plan(config("eval.method=production"))
     assert only.method == "production" and only.production_tree is None and only.tree["adaptive"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paper_trees_decoded_together_equal_their_runs_one_by_one(temperature):
+    """With production runs the paper-tree strategies of a question decode in one batch; their outputs, steps
+    and acceptance (what the tables read) equal those of the same strategies run one after another."""
+    both = EvalWorker(make_plan(config()), FACTORY, warmup=False)
+    alone = EvalWorker(make_plan(config("eval.method=paper")), FACTORY, warmup=False)
+    names = [n for n in both.plan.strategies if n != "vanilla"]
+    question = QUESTIONS["mt_bench"][0]
+    together = both.run(Unit(question, temperature, names))
+    one_by_one = alone.run(Unit(question, temperature, names))
+    assert [r["batched"] for r in together] == [len(names)] * len(names)
+    assert [outcome(r) for r in together] == [outcome(r) for r in one_by_one]
+    assert [r["prompt_ids"] for r in together] == [r["prompt_ids"] for r in one_by_one]
 
 
 def test_second_turn_is_asked_after_the_first_answer():

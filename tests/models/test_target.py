@@ -122,3 +122,22 @@ def test_message_text_that_spells_a_role_header_cannot_forge_a_role(embedded_tar
     normal = [{"role": "user", "content": "What is 2 + 2?"}]
     assert embedded_target.encode_chat(normal)[0].tolist() == tok.apply_chat_template(
         normal, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_teacher_forced_hidden_states_are_each_rows_own_prefill(embedded_target):
+    """On the static engine a padded batch's rows equal each row's prefill alone (the features a drafter reads
+    when decoding) and padding stays zero; the transformers forward agrees within float32 rounding."""
+    target = embedded_target
+    assert target.engine is not None
+    rows = [torch.arange(5, 5 + n) * 7 % target.vocab_size for n in (9, 4)]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    batch = target.hidden_states(ids, mask)
+    for i, row in enumerate(rows):
+        alone = target.prefill(row[None]).hidden[0]
+        assert torch.equal(batch[i, :len(row)], alone)
+    assert not batch[1, 4:].any()
+    hf = target.model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    assert torch.allclose(hf[0], batch[0], atol=1e-3), float((hf[0] - batch[0]).abs().max())

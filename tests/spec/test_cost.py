@@ -99,14 +99,37 @@ def test_in_a_batch_drafting_pays_only_against_the_batchs_plain_rate():
     assert not budget.pays((15, 15)) and not budget.should_draft((15, 15))
 
 
-def test_drafting_pauses_while_it_does_not_pay_and_probes_again():
+def test_drafting_pauses_while_it_does_not_pay_and_probes_again_less_and_less_often():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
     assert budget.should_draft()
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
-    assert [budget.should_draft() for _ in range(6)] == [False, False, True, False, False, True]
+    probes = [i for i in range(100) if budget.should_draft()]
+    assert probes == [2, 8, 20, 44, 68, 92], "gaps 3, 6, 12, 24, then 24 (8 x probe_every)"
     for _ in range(15):
         budget.observe(_tree([-0.1]), torch.tensor([0, 1]), draft_s=0.01)
     assert budget.should_draft(), "the probes saw drafting pay again"
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    for _ in range(15):
+        budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    assert [i for i in range(10) if budget.should_draft()] == [2, 8], "paying again reset the gap"
+
+
+def test_requests_sharing_a_budget_draft_only_when_drafting_for_all_of_them_pays():
+    """Alone, 3 tokens for 8 nodes and 10 ms of drafting beat a 40 ms plain step; 16 requests of one budget
+    drafting alike would append 48 tokens in 16 x 10 ms + a 128-row forward, against 16 in one 16-row forward."""
+    model = CostModel([1, 2, 4, 8, 16, 32, 64, 128], [0.04, 0.04, 0.04, 0.045, 0.05, 0.07, 0.1, 0.15], prefix=64)
+    budget = TreeBudget(model, probe_every=2)
+    budget.observe(_tree([-0.1] * 7), torch.tensor([0, 1, 2]), draft_s=0.010, verify_s=0.045)
+    assert budget.pays() and budget.pays(cost_module.Others(peers=1))
+    peers = cost_module.Others(peers=15)
+    assert not budget.pays(peers)
+    assert [i for i in range(40) if budget.should_draft(peers)] == [31], "a probe every 2 steps of each of 16"
+    load = cost_module.BatchLoad()
+    load.note(1, 8, 3, 0.02, group=7)
+    load.note(2, 1, 1, 0.0, group=7)
+    load.note(3, 9, 4, 0.03, group=None)
+    assert load.others(1, group=7) == (9, 4, 0.03, 1)
+    assert load.others(1) == (10, 5, 0.03, 0), "no group: every other request as it did"
 
 
 def test_requests_starting_together_wait_for_one_measurement(tmp_path, monkeypatch, peaky_target):
