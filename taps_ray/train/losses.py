@@ -47,8 +47,9 @@ from taps_ray.models.drafter import DraftHead
 class LossOutput:
     """``total`` scalar tensor (backprop this); ``parts`` floats: ``loss``, ``feature``, ``ce``,
     ``topk`` (HASS; means over passes) and ``pass{k}/{loss,feature,ce,topk}``; ``tokens`` scored
-    positions of pass 1; ``top1_acc[k-1]`` drafter argmax == target argmax in pass ``k`` (NaN if
-no position is scored)."""
+    positions of pass 1; ``top1_acc[k-1]`` drafter argmax == target argmax over the draft vocabulary
+    in pass ``k`` (NaN if no position is scored; a training signal: the held-out ``acc<k>`` of
+    :func:`taps_ray.train.loop.evaluate` compares with the target's argmax over its whole vocabulary)."""
 
     total: torch.Tensor
     parts: dict[str, float] = field(default_factory=dict)
@@ -248,10 +249,7 @@ def drafter_loss(
     use_topk = cfg.algorithm == "hass"
     with torch.no_grad():
         target_logits = module.logits(targets, head)
-        if module.draft_to_target is None:
-            target_top1 = target_logits.argmax(-1)
-        else:
-            target_top1 = F.linear(targets, head.to(targets.dtype)).argmax(-1)
+        target_top1 = target_logits.argmax(-1)
         target = TargetDistribution.of(torch.softmax(target_logits, dim=-1), cfg.topk if use_topk else 0)
         del target_logits
 
@@ -275,7 +273,7 @@ def drafter_loss(
             loss = loss + cfg.topk_weight * terms["topk"]
         pass_losses.append(loss)
         with torch.no_grad():
-            hits = (module.to_target_ids(logits.argmax(-1)) == target_top1).float()
+            hits = (logits.argmax(-1) == target_top1).float()
             top1.append(float((hits * weight).sum()) / count if count else float("nan"))
         parts[f"pass{k}/loss"] = float(loss.detach())
         for name, value in terms.items():

@@ -303,6 +303,26 @@ def test_reduced_vocab_identity_map_matches_full_vocab(target, batch):
     assert unrolled_accuracy(full, batch, embed, head, 2) == unrolled_accuracy(reduced, batch, embed, head, 2)
 
 
+def test_train_accuracy_of_a_reduced_vocabulary_compares_argmaxes_over_the_draft_vocabulary(target, batch):
+    """The training acc1 needs no full-vocabulary product: drafter and target argmax over the draft ids."""
+    head, embed = head_and_embed(target)
+    draft_ids = torch.arange(0, target.vocab_size, 2)
+    drafter = DraftHead(target.config, draft_to_target=draft_ids, seed=1)
+    drafter.load_state_dict(drafter_for(target).state_dict(), strict=False)
+    hidden = batch["hidden"].clone()
+    with torch.no_grad():
+        for i in range(0, T - 1, 2):  # every other target feature is the drafter's own prediction: a hit
+            hidden[:, i + 1] = full_pass(drafter, {**batch, "hidden": hidden}, embed)[:, i]
+        full = full_pass(drafter, {**batch, "hidden": hidden}, embed)
+    batch = {**batch, "hidden": hidden}
+    out = drafter_loss(drafter, batch, embed, head, ObjectiveConfig(algorithm="eagle2", noise="none"))
+    sub = head[draft_ids]
+    hits = [int((sub @ full[b, i]).argmax() == (sub @ batch["hidden"][b, i + 1]).argmax())
+            for b, i in scored_positions(batch)]
+    assert 0 < sum(hits) < len(hits)
+    assert out.top1_acc == [pytest.approx(sum(hits) / len(hits))]
+
+
 def test_simulated_tau():
     assert simulated_tau([]) == 1.0
     assert simulated_tau([0.8, 0.5]) == pytest.approx(1 + 0.8 + 0.4)
