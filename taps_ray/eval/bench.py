@@ -72,14 +72,19 @@ def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_token
          sampling: SamplingConfig | None = None, cost: CostModel | None = None) -> Method:
     """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``; with ``cost``, one
     :class:`~taps_ray.spec.cost.TreeBudget` across the prompts, as a server keeps one per strategy); step
-    records in CPU time."""
-    budget = TreeBudget(cost) if cost is not None else None
+    records in CPU time. ``reset()`` on the returned method forgets what the budget observed (after a warm-up)."""
+    budget = [TreeBudget(cost) if cost is not None else None]
 
     def run(ids: torch.Tensor) -> Run:
         result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), sampling, max_new_tokens,
-                                                    collect_entropy=False, timer=time.process_time, budget=budget))
+                                                    collect_entropy=False, timer=time.process_time, budget=budget[0]))
         return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)
 
+    def reset() -> None:
+        if budget[0] is not None:
+            budget[0] = budget[0].fresh()
+
+    run.reset = reset
     return run
 
 
@@ -273,10 +278,12 @@ def drafter_tau(target: TargetModel, drafter: DraftHead, tree: TreeConfig, bench
 
 
 def run_methods(prompts: list[torch.Tensor], methods: dict[str, Method], desc: str = "bench") -> dict[str, list[Run]]:
-    """Run every method on every prompt, interleaved prompt by prompt, after one short warm-up each."""
+    """Run every method on every prompt, interleaved prompt by prompt, after one short warm-up each (which a
+    method with a ``reset`` then forgets)."""
     runs: dict[str, list[Run]] = {name: [] for name in methods}
     for method in methods.values():
         method(prompts[0][:8])
+        getattr(method, "reset", lambda: None)()
     for ids in tqdm(prompts, desc=desc, unit="prompt"):
         for name, method in methods.items():
             runs[name].append(method(ids))

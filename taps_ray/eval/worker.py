@@ -137,6 +137,8 @@ class EvalWorker:
             ids = torch.arange(2, 10, device=self.target.device) % self.target.vocab_size
             for strategy in [*self.strategies.values(), *self.production.values()]:
                 generate(self.target, ids, strategy, None, 3, collect_entropy=True)
+                if getattr(strategy, "tree_budget", None) is not None:
+                    strategy.tree_budget = strategy.tree_budget.fresh()
 
     def _build(self, tree: dict, skip_vanilla: bool = False) -> dict:
         """One strategy object per plan strategy, drafting with ``tree``."""

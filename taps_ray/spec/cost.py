@@ -131,9 +131,10 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 3) -> CostModel:
+def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostModel:
     """Time one verification forward of each size in ``nodes`` (a chain tree, logits included) after a
-    ``prefix``-token cache: the median of ``repeats`` after one warm-up each."""
+    ``prefix``-token cache: after one warm-up round, ``repeats`` rounds over every size (so that a neighbour's
+    burst slows every size alike rather than one), the fastest of each size, made non-decreasing in n."""
     from taps_ray.models.target import crop_cache
     from taps_ray.spec.verify import run_tree
 
@@ -142,19 +143,19 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 3) -> CostMode
     ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache(prefix + max(nodes))
     target.prefill(ids.to(target.device), cache)
-    seconds = []
-    for n in nodes:
-        tree = build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
-        times = []
-        for _ in range(repeats + 1):
+    trees = [build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
+             for n in nodes]
+    times = [[] for _ in nodes]
+    for _ in range(repeats + 1):
+        for tree, seen in zip(trees, times):
             _sync(target.device)
             t0 = time.perf_counter()
             run_tree(target, tree, cache)
             _sync(target.device)
-            times.append(time.perf_counter() - t0)
+            seen.append(time.perf_counter() - t0)
             crop_cache(cache, prefix)
-        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
-    return CostModel(list(nodes), seconds, prefix, fingerprint(target), round(time.perf_counter() - start, 2))
+    fastest = torch.tensor([min(seen[1:]) for seen in times], dtype=torch.float64).cummax(0).values
+    return CostModel(list(nodes), fastest.tolist(), prefix, fingerprint(target), round(time.perf_counter() - start, 2))
 
 
 def cache_dir() -> Path:
@@ -256,9 +257,9 @@ class TreeBudget:
     strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
     :func:`cost_model`, taken by :meth:`bind` when a decode starts); ``decay``: weight of the past per observed
     step; ``probe_every``: how often a step drafts once drafting stops paying (the interval doubles after each
-    probe that still does not pay, up to ``8 * probe_every``); ``explore_every``: how often
-    a drafted step verifies its whole tree, so that every score bin keeps being observed; ``chosen``: the node
-    counts of the last 4096 decisions.
+    probe that still does not pay, up to ``8 * probe_every``); ``explore_every``: how often a drafted step
+    verifies more nodes than pay (twice as many, at least 4, at most the tree), so that the score bins next in
+    line keep being observed; ``chosen``: the node counts of the last 4096 decisions.
 
     A node's chance of acceptance is the acceptance rate observed for nodes of its kind (drafted, or
     prompt-lookup: the last ``tree.meta["lookup_nodes"]`` of a tree) in its score bin
@@ -278,7 +279,7 @@ class TreeBudget:
         bins = len(SCORE_EDGES) + 1
         self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
-        self._drafted_steps = 0
+        self._drafted_steps = self._draft_samples = 0
         self._gain = self._draft_s = self._nodes = 0.0
         self._skipped = 0
         self._probe_gap = probe_every
@@ -288,10 +289,17 @@ class TreeBudget:
         self.chosen: deque[int] = deque(maxlen=4096)
 
     def bind(self, target) -> TreeBudget:
-        """Take ``target``'s cost model on this machine when none was given (measured at first use)."""
+        """Start a request on ``target``: take its cost model on this machine when none was given (measured at
+        first use), and probe again after ``probe_every`` skipped steps (acceptance follows the context, so a
+        new request's drafting may pay where the last one's did not)."""
         if self.cost is None:
             self.cost = cost_model(target)
+        self._probe_gap, self._skipped = self.probe_every, 0
         return self
+
+    def fresh(self) -> TreeBudget:
+        """A new budget with this one's settings and cost model and nothing observed (e.g. after a warm-up)."""
+        return TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior)
 
     def rates(self, kind: str = "draft") -> torch.Tensor:
         """[bins] the acceptance rate of ``kind`` nodes per score bin (observed, with the prior)."""
@@ -346,14 +354,13 @@ class TreeBudget:
 
     def choose(self, tree: DraftTree, draft_s: float, others: tuple = Others()) -> DraftTree | None:
         """The ``n`` nodes of ``tree`` most likely accepted, for the n that maximises expected tokens per
-        second, or None when a plain step (n = 1) does; every ``explore_every``-th call the whole tree.
+        second, or None when a plain step (n = 1) does; every ``explore_every``-th call twice that many nodes
+        (at least 4, at most the tree).
         ``others``: the other requests of the same forward (:class:`Others`)."""
         if tree.size <= 1:
             return None
         self._drafted += 1
-        if self.explore_every and self._drafted % self.explore_every == 0:
-            self.chosen.append(tree.size)
-            return tree
+        explore = bool(self.explore_every) and self._drafted % self.explore_every == 0
         chance = self.chance(tree)
         order = torch.sort(chance, descending=True, stable=True).indices
         rows, tokens, waits, peers = Others(*others)
@@ -362,6 +369,8 @@ class TreeBudget:
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
         seconds = self.scale * self.cost.verify(n * sizes + rows) + n * draft_s + waits
         n = int((expected / seconds).argmax()) + 1
+        if explore:
+            n = min(tree.size, max(2 * n, 4))
         self.chosen.append(n)
         if n == 1:
             return None
@@ -373,11 +382,13 @@ class TreeBudget:
             kept.meta["lookup_nodes"] = int(self._is_lookup(tree)[keep].sum())
         return kept
 
-    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, draft_s: float,
+    def observe(self, tree: DraftTree | None, path: torch.Tensor | None, draft_s: float | None,
                 verify_s: float | None = None, rows: int = 0) -> None:
         """After a step: the verified ``tree`` (None: a plain step), its accepted ``path`` (node indices, root
-        first; ignored for a plain step), the seconds spent drafting it, and the verification forward's own
-        ``verify_s`` with the ``rows`` of other requests in it (they update :attr:`scale`)."""
+        first; ignored for a plain step), the seconds spent drafting it (None: not a step's drafting alone --
+        a request's first drafted step also runs its prompt through the drafter, a per-request cost like a
+        prefill, and a drafter's first use sets it up), and the verification forward's own ``verify_s`` with
+        the ``rows`` of other requests in it (they update :attr:`scale`)."""
         w = 0.8
         if verify_s is not None:
             ratio = verify_s / max(float(self.cost.verify(rows + (1 if tree is None else tree.size))), 1e-9)
@@ -396,5 +407,8 @@ class TreeBudget:
                 bins[mask], weights=accepted[1:][mask], minlength=size)
         first = self._drafted_steps == 0
         self._drafted_steps += 1
-        for name, value in (("_gain", float(path.numel())), ("_draft_s", draft_s), ("_nodes", float(tree.size))):
+        for name, value in (("_gain", float(path.numel())), ("_nodes", float(tree.size))):
             setattr(self, name, value if first else w * getattr(self, name) + (1 - w) * value)
+        if draft_s is not None:
+            self._draft_s = draft_s if not self._draft_samples else w * self._draft_s + (1 - w) * draft_s
+            self._draft_samples += 1

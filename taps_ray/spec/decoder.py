@@ -161,6 +161,7 @@ class _Request:
     deadline: float | None = None
     node_limit: Callable[[], int] | None = None
     path: torch.Tensor | None = None
+    drafted: bool = False
     prompt_len: int = 0
     length: int = 0
     tokens: torch.Tensor | None = None
@@ -349,7 +350,9 @@ def _step(request: _Request) -> str | None:
     limit = None if request.node_limit is None else max(1, request.node_limit())
     state = DecodeState(request.tokens[:request.length], r, request.prompt_len, len(request.steps))
     limited = {"shed": 0, "load_plain": limit == 1}
+    first_draft = False
     if limit != 1 and (budget is None or budget.should_draft(others)):
+        first_draft, request.drafted = not request.drafted, True
         tree = request.strategy.propose(state)
         if tree is not None and limit is not None and tree.size > limit:
             limited["shed"], tree = tree.size - limit, tree.top(limit)
@@ -370,7 +373,7 @@ def _step(request: _Request) -> str | None:
         if request.load is not None and request.load.last_forward is not None:
             total, verify_s = request.load.last_forward
             other_rows = total - (1 if tree is None else tree.size)
-        budget.observe(tree, request.path, draft_s, verify_s, max(other_rows, 0))
+        budget.observe(tree, request.path, None if first_draft else draft_s, verify_s, max(other_rows, 0))
         if request.load is not None:
             request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()), draft_s, group)
     return _append(request, new, features, rows, record, t0, t1)

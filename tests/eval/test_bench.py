@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.eval.bench import run_bench, write_report
@@ -60,3 +61,18 @@ def test_bench_sampling_reports_speed_and_tau_without_matching():
     assert rows["spec"].tau == pytest.approx((rows["spec"].tokens - 2) / rows["spec"].steps)
     assert rows["spec"].match != rows["spec"].match  # NaN: draws are not compared
     assert "sampling T=1.0 top_p=0.9" in report.to_markdown()
+
+
+def test_a_warm_up_run_is_forgotten_by_the_cost_model_budget():
+    """run_methods warms every method up on a few tokens; the spec-cost budget must not keep what it saw."""
+    from taps_ray.eval.bench import run_methods
+
+    calls = []
+
+    def method(ids):
+        calls.append(("run", len(ids)))
+
+    method.reset = lambda: calls.append(("reset", 0))
+    prompts = [torch.arange(2, 30), torch.arange(3, 20)]
+    run_methods(prompts, {"spec-cost": method})
+    assert calls == [("run", 8), ("reset", 0), ("run", 28), ("run", 17)]

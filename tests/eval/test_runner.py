@@ -295,3 +295,12 @@ def test_run_prints_and_records_exclusions_and_the_report_says_them(tmp_path, ca
     assert run["questions"]["gsm8k"]["excluded"] == 1 and run["identity"]["excluded_prompts"]
     report = (out / "report.md").read_text()
     assert "- questions, gsm8k: 1 of 1 questions drawn; 1 of 2 excluded as seen in training by math" in report
+
+
+def test_the_warm_up_teaches_the_production_budgets_nothing():
+    """The warm-up decodes a few tokens of a meaningless prompt with every strategy; a production budget that
+    kept what it saw there would start the real questions believing drafting does not pay."""
+    worker = EvalWorker(make_plan(config()), FACTORY, warmup=True)
+    budgets = [s.tree_budget for s in worker.production.values() if getattr(s, "tree_budget", None) is not None]
+    assert budgets and all(not b.chosen and b.should_draft() for b in budgets)
+    assert all(b.cost is not None for b in budgets), "the cost model measured during the warm-up is kept"

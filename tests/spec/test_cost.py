@@ -74,10 +74,99 @@ def test_lookup_nodes_are_calibrated_apart_and_kept_when_they_are_accepted():
     assert kept is not None and kept.tokens[1:].tolist() == [7, 8, 9] and kept.meta["lookup_nodes"] == 3
 
 
-def test_every_few_drafted_steps_verify_the_whole_tree():
+def test_every_few_drafted_steps_verify_twice_the_nodes_that_pay():
     budget = TreeBudget(_model([1.0, 2.0, 4.0, 8.0, 16.0]), explore_every=3)
-    tree = _tree([-5.0, -6.0])
-    assert [budget.choose(tree, 0.0) is tree for _ in range(6)] == [False, False, True, False, False, True]
+    small = _tree([-5.0, -6.0])
+    assert [budget.choose(small, 0.0) is small for _ in range(6)] == [False, False, True, False, False, True]
+    steep = TreeBudget(_model([1.0, 1.02, 1.04, 4.0, 8.0]), explore_every=2)
+    large = _tree([-0.01, -0.02] + [-5.0] * 13)
+    sizes = [getattr(steep.choose(large, 0.0), "size", 1) for _ in range(4)]
+    assert sizes == [3, 6, 3, 6], "root + 2 nodes pay; an exploring step verifies 6 (not all 16)"
+
+
+def test_a_requests_first_drafted_step_does_not_set_the_drafting_seconds():
+    """It also runs the prompt through the drafter (and a drafter's first use sets it up): a per-request cost."""
+    budget = TreeBudget(_model([0.04, 0.041, 0.043, 0.05, 0.07]), probe_every=100)
+    tree, path = _tree([-0.1] * 3), torch.tensor([0, 1, 2])
+    budget.observe(tree, path, draft_s=None)
+    assert budget.pays(), "no drafting seconds seen yet: drafting is given its chance"
+    budget.observe(tree, path, draft_s=0.01)
+    budget.observe(tree, path, draft_s=None)
+    assert budget.pays(), "3 tokens for 0.01 s of drafting and 4 nodes beat a plain step"
+    budget.observe(tree, path, draft_s=5.0)
+    assert not budget.pays()
+
+
+def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
+    """A strategy whose first proposal of a request is slow (the prompt's pairs) keeps drafting."""
+    import time as time_module
+
+    target = bigram_target(0)
+    drafter = oracle_drafter(target)
+    budget = TreeBudget(_model([1.0, 1.0, 1.05, 1.1, 1.2]), probe_every=100)
+
+    class SlowStart:
+        def __init__(self):
+            self.inner, self.first = build_strategy("single", {"d": drafter}, TREE), True
+            self.name = "single"
+
+        def start(self, *args):
+            self.first = True
+            self.inner.start(*args)
+
+        def propose(self, state):
+            if self.first:
+                self.first = False
+                time_module.sleep(0.5)
+            return self.inner.propose(state)
+
+        def advance(self, *args):
+            self.inner.advance(*args)
+
+    for seed in range(2):
+        spec = generate(target, random_prompt(target, 6, seed), SlowStart(), max_new_tokens=20, budget=budget)
+        assert all(s.tree_size > 1 for s in spec.steps[:-1]), [s.tree_size for s in spec.steps]
+    assert budget.pays()
+
+
+def test_a_new_request_probes_again_after_probe_every_steps():
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    assert [i for i in range(50) if budget.should_draft()] == [2, 8, 20, 44]
+    budget.bind(object())
+    assert [i for i in range(9) if budget.should_draft()] == [2, 8]
+
+
+def test_fresh_keeps_the_settings_and_the_cost_model_and_forgets_the_rest():
+    model = _model([1.0, 1.0, 1.0, 1.0, 1.0])
+    budget = TreeBudget(model, probe_every=5, explore_every=7)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    budget.choose(_tree([-0.1, -0.2]), 0.0)
+    fresh = budget.fresh()
+    assert fresh.cost is model and (fresh.probe_every, fresh.explore_every) == (5, 7)
+    assert not fresh.chosen and fresh.should_draft() and torch.equal(fresh.rates(), TreeBudget(model).rates())
+
+
+def test_measure_takes_each_sizes_fastest_round_and_never_lets_a_larger_tree_cost_less(monkeypatch, peaky_target):
+    """A burst of a neighbour during one size's rounds must not make a larger tree look cheaper."""
+    from taps_ray.spec import verify
+
+    calls = []
+    real = verify.run_tree
+
+    def bursty(target, tree, cache):
+        calls.append(tree.size)
+        out = real(target, tree, cache)
+        if tree.size == 2:
+            time_module.sleep(0.05)
+        return out
+
+    import time as time_module
+    monkeypatch.setattr(verify, "run_tree", bursty)
+    model = cost_module.measure(peaky_target, nodes=(1, 2, 4), repeats=2)
+    assert calls == [1, 2, 4] * 3, "rounds over every size, the first a warm-up"
+    assert model.verify_s[0] <= model.verify_s[1] <= model.verify_s[2]
+    assert model.verify_s[2] >= 0.05, "4 nodes cost at least what the bursty 2 did"
 
 
 def test_the_pause_compares_drafted_steps_with_plain_ones_at_the_runs_own_level():
