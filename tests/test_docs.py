@@ -36,3 +36,15 @@ def test_readme_layout_names_every_top_level_entry_and_package_module():
                 if not re.search(rf"^  {re.escape(name)}(\s|$)", layout, re.M)]
     assert not missing, f"README.md's layout does not name {missing}"
     assert re.search(r"^\.ci/run\s", layout, re.M)
+
+
+def test_design_layout_names_every_module_of_the_package():
+    """docs/DESIGN.md's layout (the design of record) names each module at least as often as modules of that
+    name exist (``drafter.py`` is in models/ and serving/)."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    layout = text[text.index("## Layout"):].split("```")[1]
+    modules = [p.rsplit("/", 1)[-1] for p in _tracked()
+               if p.startswith("taps_ray/") and p.endswith(".py") and not p.endswith("__init__.py")]
+    missing = sorted({name for name in modules
+                      if len(re.findall(rf"(?<![\w/]){re.escape(name)}\b", layout)) < modules.count(name)})
+    assert not missing, f"docs/DESIGN.md's layout does not name {missing}"
