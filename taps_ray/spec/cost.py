@@ -283,6 +283,7 @@ class TreeBudget:
         self._gain = self._draft_s = self._nodes = 0.0
         self._skipped = 0
         self._probe_gap = probe_every
+        self._new_request = False
         self._drafted = 0
         self._scaled = 0
         self.scale = 1.0
@@ -290,11 +291,12 @@ class TreeBudget:
 
     def bind(self, target) -> TreeBudget:
         """Start a request on ``target``: take its cost model on this machine when none was given (measured at
-        first use), and probe again after ``probe_every`` skipped steps (acceptance follows the context, so a
-        new request's drafting may pay where the last one's did not)."""
+        first use); a request alone probes again after ``probe_every`` skipped steps (acceptance follows the
+        context, so a new request's drafting may pay where the last one's did not). Beside peers the probes keep
+        backing off: the peers' count, seen every step, already tells when the load lets drafting pay."""
         if self.cost is None:
             self.cost = cost_model(target)
-        self._probe_gap, self._skipped = self.probe_every, 0
+        self._new_request = True
         return self
 
     def fresh(self) -> TreeBudget:
@@ -315,6 +317,10 @@ class TreeBudget:
         N = 1 + peers); then once in a while, to see again: after ``probe_every`` skipped steps (``probe_every *
         N`` calls of the budget its peers share), the gap doubling after each probe that still does not pay."""
         others = Others(*others)
+        if self._new_request:
+            self._new_request = False
+            if not others.peers:
+                self._probe_gap, self._skipped = self.probe_every, 0
         if not self._drafted_steps or self.pays(others):
             self._probe_gap, self._skipped = self.probe_every, 0
             return True

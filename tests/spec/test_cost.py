@@ -137,6 +137,17 @@ def test_a_new_request_probes_again_after_probe_every_steps():
     assert [i for i in range(9) if budget.should_draft()] == [2, 8]
 
 
+def test_a_new_request_beside_peers_keeps_the_probes_backing_off():
+    """Under load every arriving request would otherwise restart the probes of the budget its peers share; the
+    peers' count, seen each step, already says when the load lets drafting pay again."""
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    assert [i for i in range(50) if budget.should_draft()] == [2, 8, 20, 44]
+    budget.bind(object())
+    peers = cost_module.Others(peers=1)
+    assert not any(budget.should_draft(peers) for _ in range(9)), "the gap stays at 24 steps (48 calls of 2)"
+
+
 def test_fresh_keeps_the_settings_and_the_cost_model_and_forgets_the_rest():
     model = _model([1.0, 1.0, 1.0, 1.0, 1.0])
     budget = TreeBudget(model, probe_every=5, explore_every=7)
