@@ -73,16 +73,16 @@ def ours(target: TargetModel, make_strategy: Callable[[], object], max_new_token
     """Our decoder with a fresh strategy per prompt (greedy unless ``sampling``; with ``cost``, one
     :class:`~taps_ray.spec.cost.TreeBudget` across the prompts, as a server keeps one per strategy); step
     records in CPU time. ``reset()`` on the returned method forgets what the budget observed (after a warm-up)."""
-    budget = [TreeBudget(cost) if cost is not None else None]
+    budget = TreeBudget(cost) if cost is not None else None
 
     def run(ids: torch.Tensor) -> Run:
         result, wall, cpu = _timed(lambda: generate(target, ids, make_strategy(), sampling, max_new_tokens,
-                                                    collect_entropy=False, timer=time.process_time, budget=budget[0]))
+                                                    collect_entropy=False, timer=time.process_time, budget=budget))
         return Run(result.token_ids, wall, cpu, len(result.steps), result.steps)
 
     def reset() -> None:
-        if budget[0] is not None:
-            budget[0] = budget[0].fresh()
+        nonlocal budget
+        budget = budget.fresh() if budget is not None else None
 
     run.reset = reset
     return run

@@ -160,6 +160,8 @@ def test_fresh_keeps_the_settings_and_the_cost_model_and_forgets_the_rest():
 
 def test_measure_takes_each_sizes_fastest_round_and_never_lets_a_larger_tree_cost_less(monkeypatch, peaky_target):
     """A burst of a neighbour during one size's rounds must not make a larger tree look cheaper."""
+    import time as time_module
+
     from taps_ray.spec import verify
 
     calls = []
@@ -172,7 +174,6 @@ def test_measure_takes_each_sizes_fastest_round_and_never_lets_a_larger_tree_cos
             time_module.sleep(0.05)
         return out
 
-    import time as time_module
     monkeypatch.setattr(verify, "run_tree", bursty)
     model = cost_module.measure(peaky_target, nodes=(1, 2, 4), repeats=2)
     assert calls == [1, 2, 4] * 3, "rounds over every size, the first a warm-up"
