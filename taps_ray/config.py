@@ -604,6 +604,10 @@ class AdaptConfig(Strict):
         "taps adapt --watch: seconds between looks at the capture folder (and re-applying a promotion to new replicas)"))
     rounds: int | None = Field(default=None, ge=1, description=(
         "taps adapt --watch: adaptations before it stops (None: until Ctrl-C)"))
+    keep: int = Field(default=2, ge=1, description=(
+        "taps adapt --watch: promoted versions of its drafter whose adapt-vN folders it keeps (the one serving "
+        "and keep - 1 before it, to roll back to); after each round it deletes its other versions but the "
+        "newest, and every traffic snapshot but the newest round's"))
 
 
 class ExperimentConfig(Strict):
