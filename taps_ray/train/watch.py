@@ -18,7 +18,11 @@ promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafte
 3. a version that passes is promoted through the hot-swap path (running requests keep their drafter),
    one that does not stays in its folder;
 4. the decision goes to the promotion log (``<run folder>/adapt/promotions.jsonl``, with the captured count
-   it was taken at) and to the version folder's ``promotion.json``.
+   it was taken at) and to the version folder's ``promotion.json``;
+5. what the loop no longer needs is deleted (:meth:`Watch.prune`): the drafter's versions but the last
+   ``adapt.keep`` promoted ones (the one serving and those before it, to roll back to) and the newest, and
+   every traffic snapshot but this round's (a snapshot's hard links would keep captured rows the capture
+   folder's budget or ``max_age_s`` has evicted).
 
 A round whose training fails is logged and skipped until ``adapt.every`` more requests arrive; the loop
 goes on. Restarted, the loop resumes from its log: the last promoted version is served again and the
@@ -28,6 +32,9 @@ request count restarts from the last round's.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
 import threading
 from dataclasses import asdict
 from pathlib import Path
@@ -37,11 +44,12 @@ from taps_ray.config import ExperimentConfig
 from taps_ray.runstate import write_json
 from taps_ray.serving.capture import capture_dir, captured_requests, snapshot
 from taps_ray.serving.promote import Decision, Promotion, PromotionError, PromotionLog, decide, record
-from taps_ray.train.adapt import AdaptError, run_adapt
+from taps_ray.train.adapt import VERSION_PREFIX, AdaptError, run_adapt
 
 log = logging.getLogger(__name__)
 
 PROMOTION_FILE = "promotion.json"
+PRUNED = ".pruned"
 
 
 class PromotionTarget(Protocol):
@@ -110,6 +118,7 @@ class Watch:
             result = run_adapt(self.cfg, frozen, source, target=self.target)
         except AdaptError as err:
             log.error("adapt watch: round at %d captured requests failed: %s", captured, err)
+            self.prune(frozen, source)
             return None
         decision: Decision = decide(result.record["tau"], self.cfg.adapt.margin, self.cfg.adapt.min_gain)
         if decision.promote:
@@ -123,7 +132,37 @@ class Watch:
         self.log.append(entry)
         log.info("adapt watch: version %d %s: %s", result.version,
                  "promoted" if decision.promote else "kept aside", decision.reason)
+        self.prune(frozen, source)
         return entry
+
+    def prune(self, frozen: Path, source: str | None = None) -> list[Path]:
+        """Delete what the loop no longer needs; the paths deleted.
+
+        Candidates are the ``adapt-vN`` folders of the run folder that the promotion log names for this
+        drafter, and every ``traffic-*`` snapshot of ``<run folder>/adapt`` but ``frozen``. Kept: the drafter's
+        last ``adapt.keep`` promoted versions, its newest version, the version it serves (``promoted``) or
+        was adapted from (``source``), and every checkpoint ``serve.drafters`` names. Each folder is renamed
+        to a hidden ``.NAME.pruned`` first, then removed, so a crash never leaves half a folder under a
+        version's name; the next prune removes what a crash left. A folder that cannot be removed is logged
+        and left."""
+        drafters = (self.cfg.run_dir / "drafters").resolve()
+        mine = [e for e in self.log.entries() if e["drafter"] == self.name]
+        promoted = [e["checkpoint"] for e in mine if e["promoted"]]
+        configured = [d.checkpoint for d in self.cfg.serve.drafters.values()]
+        wanted = {*promoted[-self.cfg.adapt.keep:], *(e["checkpoint"] for e in mine[-1:]),
+                  self.served.promoted, source, *configured}
+        keep = {Path(p).expanduser().resolve() for p in wanted if p}
+        versions = [p for e in mine if (p := Path(e["checkpoint"]).expanduser().resolve()).parent == drafters
+                    and re.fullmatch(rf"{VERSION_PREFIX}\d+", p.name) and p not in keep and p.is_dir()]
+        adapt = self.log.path.parent
+        snapshots = [p for p in sorted(adapt.glob("traffic-*")) if p.is_dir() and p.resolve() != frozen.resolve()]
+        removed = [p for p in dict.fromkeys([*versions, *snapshots]) if _remove(p)]
+        for leftover in [*drafters.glob(f".*{PRUNED}"), *adapt.glob(f".*{PRUNED}")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        if removed:
+            log.info("adapt watch: pruned %s (adapt.keep=%d)", ", ".join(p.name for p in removed),
+                     self.cfg.adapt.keep)
+        return removed
 
     def run(self, stop: threading.Event | None = None) -> list[Promotion]:
         """Poll until ``adapt.rounds`` rounds have run (None: until ``stop`` is set or Ctrl-C)."""
@@ -140,6 +179,19 @@ class Watch:
             if (entry := self.round(captured)) is not None:
                 done.append(entry)
         return done
+
+
+def _remove(path: Path) -> bool:
+    """Rename ``path`` to ``.NAME.pruned`` beside it, then delete it; False (logged) when that fails."""
+    trash = path.with_name(f".{path.name}{PRUNED}")
+    try:
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    except OSError as err:
+        log.warning("adapt watch: could not delete %s: %s", path, err)
+        return False
+    return True
 
 
 def watch(cfg: ExperimentConfig, traffic: str | Path | None = None, drafter: str | None = None,
