@@ -10,10 +10,10 @@
   append cuts off first. A damaged line elsewhere is not a crash artifact and is an error.
 * :func:`changed_settings`: what differs between the settings a run folder recorded and the ones
   asked for now (train, eval and sweep refuse to resume into a folder whose settings changed).
-* :func:`folder_lock`: one process at a time writes a run folder (eval, prepare, train, sweep). The
-  lock is an ``flock`` on ``.taps.lock`` in the folder, so the kernel releases it when its holder
-  dies (a ``kill -9`` leaves no stale lock); the file names the holder (pid, host, command) for the
-  error the next process gets.
+* :func:`folder_lock`: one process at a time writes a run folder (eval, prepare, train, sweep, a round of
+  ``taps adapt --watch``). The lock is an ``flock`` on ``.taps.lock`` in the folder, so the kernel
+  releases it when its holder dies (a ``kill -9`` leaves no stale lock); the file names the holder
+  (pid, host, command) for the error the next process gets.
 """
 
 from __future__ import annotations

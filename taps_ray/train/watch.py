@@ -27,6 +27,11 @@ promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafte
 A round whose training fails is logged and skipped until ``adapt.every`` more requests arrive; the loop
 goes on. Restarted, the loop resumes from its log: the last promoted version is served again and the
 request count restarts from the last round's.
+
+A round holds the run folder's lock (:func:`~taps_ray.runstate.folder_lock`, as ``taps train`` does): while
+another process holds it (a ``taps train`` into the same run folder), the due round waits, logged once with
+the holder, and runs on the first poll after it is released. For its whole run the loop also holds
+``<run folder>/adapt/.watch-<drafter>.lock``: a second loop on the same drafter and run folder is refused.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ from pathlib import Path
 from typing import Protocol
 
 from taps_ray.config import ExperimentConfig
-from taps_ray.runstate import write_json
+from taps_ray.runstate import FolderLocked, folder_lock, write_json
 from taps_ray.serving.capture import capture_dir, captured_requests, snapshot
 from taps_ray.serving.promote import Decision, Promotion, PromotionError, PromotionLog, decide, record
 from taps_ray.train.adapt import VERSION_PREFIX, AdaptError, run_adapt
+from taps_ray.train.variant import TrainLaunchError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,7 @@ class Watch:
         self.cfg, self.name, self.served, self.traffic = cfg, name, served, Path(traffic)
         self.target = target
         self.log = PromotionLog(cfg.run_dir)
+        self.waiting = False
         mine = [e for e in self.log.entries() if e["drafter"] == name]
         self.baseline = max((e.get("captured", 0) for e in mine), default=0)
         promoted = self.log.last_promoted(name)
@@ -107,19 +114,27 @@ class Watch:
         return captured
 
     def round(self, captured: int) -> Promotion | None:
-        """Adapt the serving version, gate, promote or keep aside, log; None when training failed."""
+        """Adapt the serving version, gate, promote or keep aside, log, prune; None when training failed.
+        Holds the run folder's lock; :class:`~taps_ray.runstate.FolderLocked` naming the holder when another
+        process holds it (or a lock training needs), with the round not taken."""
+        with folder_lock(self.cfg.run_dir, f"taps adapt --watch (drafter {self.name})"):
+            return self._round(captured)
+
+    def _round(self, captured: int) -> Promotion | None:
         source = self.served.promoted or self.served.serving()
         if source is None:
             raise PromotionError(f"drafter {self.name!r} serves a freshly initialised drafter; give it a checkpoint "
                                  f"(serve.drafters.{self.name}.checkpoint) to adapt from")
         frozen = snapshot(self.traffic, self.log.path.parent / f"traffic-{captured}")
-        captured = self.baseline = captured_requests(frozen)[0]
+        captured = captured_requests(frozen)[0]
         try:
             result = run_adapt(self.cfg, frozen, source, target=self.target)
-        except AdaptError as err:
+        except (AdaptError, TrainLaunchError) as err:
+            self.baseline = captured
             log.error("adapt watch: round at %d captured requests failed: %s", captured, err)
             self.prune(frozen, source)
             return None
+        self.baseline = captured
         decision: Decision = decide(result.record["tau"], self.cfg.adapt.margin, self.cfg.adapt.min_gain)
         if decision.promote:
             try:
@@ -165,8 +180,14 @@ class Watch:
         return removed
 
     def run(self, stop: threading.Event | None = None) -> list[Promotion]:
-        """Poll until ``adapt.rounds`` rounds have run (None: until ``stop`` is set or Ctrl-C)."""
-        stop = stop or threading.Event()
+        """Poll until ``adapt.rounds`` rounds have run (None: until ``stop`` is set or Ctrl-C); a round that
+        waits for the run folder's lock is not counted. :class:`~taps_ray.runstate.FolderLocked` when
+        another loop watches this drafter into this run folder."""
+        with folder_lock(self.log.path.parent, f"taps adapt --watch (drafter {self.name})",
+                         name=f".watch-{self.name}.lock"):
+            return self._run(stop or threading.Event())
+
+    def _run(self, stop: threading.Event) -> list[Promotion]:
         done: list[Promotion] = []
         rounds = 0
         while not stop.is_set() and (self.cfg.adapt.rounds is None or rounds < self.cfg.adapt.rounds):
@@ -175,8 +196,20 @@ class Watch:
             if captured is None:
                 stop.wait(self.cfg.adapt.poll_s)
                 continue
+            try:
+                entry = self.round(captured)
+            except FolderLocked as err:
+                if not self.waiting:
+                    log.warning("adapt watch: the round at %d captured requests waits for the run folder, looking "
+                                "again every adapt.poll_s=%gs: %s", captured, self.cfg.adapt.poll_s, err)
+                self.waiting = True
+                stop.wait(self.cfg.adapt.poll_s)
+                continue
+            if self.waiting:
+                log.info("adapt watch: the run folder is free again")
+            self.waiting = False
             rounds += 1
-            if (entry := self.round(captured)) is not None:
+            if entry is not None:
                 done.append(entry)
         return done
 

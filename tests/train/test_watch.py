@@ -5,15 +5,20 @@ what it records when a swap reached only some replicas."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from taps_ray.config import CaptureConfig, load_config
+from taps_ray.runstate import FolderLocked
 from taps_ray.serving.capture import CaptureWriter
 from taps_ray.serving.promote import PromotionLog
 from taps_ray.train import watch as watch_module
-from taps_ray.train.adapt import AdaptResult, next_version
+from taps_ray.train.adapt import AdaptError, AdaptResult, next_version
+from taps_ray.train.variant import TrainLaunchError
 from taps_ray.train.watch import Watch
 
 FINGERPRINT = {"name": "fake", "hidden_size": 8, "vocab_size": 32, "embed_hash": "0"}
@@ -63,12 +68,15 @@ class FakeServed:
         return 0
 
 
-def experiment(tmp_path: Path, *overrides: str):
+def experiment_overrides(tmp_path: Path, *overrides: str) -> list[str]:
     source = tmp_path / "source"
     source.mkdir(exist_ok=True)
-    return load_config(None, [f"output_dir={tmp_path / 'runs'}", "name=w", f"adapt.every={EVERY}",
-                              "adapt.poll_s=0.01", "train.heldout_rows=2",
-                              f"serve.drafters={{a: {{checkpoint: {source}}}}}", *overrides])
+    return [f"output_dir={tmp_path / 'runs'}", "name=w", f"adapt.every={EVERY}", "adapt.poll_s=0.01",
+            "train.heldout_rows=2", f"serve.drafters={{a: {{checkpoint: {source}}}}}", *overrides]
+
+
+def experiment(tmp_path: Path, *overrides: str):
+    return load_config(None, experiment_overrides(tmp_path, *overrides))
 
 
 def kept(cfg) -> tuple[list[str], list[str]]:
@@ -113,15 +121,14 @@ def test_the_loop_keeps_the_last_promoted_versions_the_newest_and_the_configured
     assert served.checkpoint == str(drafters / "adapt-v4")
 
 
-def test_a_failed_round_keeps_its_snapshot_and_prunes_older_ones(tmp_path, monkeypatch, caplog):
-    from taps_ray.train.adapt import AdaptError
-
+@pytest.mark.parametrize("error", [AdaptError("no features"), TrainLaunchError("no features")])
+def test_a_failed_round_keeps_its_snapshot_and_prunes_older_ones(tmp_path, monkeypatch, caplog, error):
     cfg = experiment(tmp_path)
     calls = []
 
     def failing(cfg, traffic, source, target=None):
         calls.append(Path(traffic).name)
-        raise AdaptError("no features")
+        raise error
 
     monkeypatch.setattr(watch_module, "run_adapt", failing)
     traffic = tmp_path / "capture"
@@ -132,6 +139,83 @@ def test_a_failed_round_keeps_its_snapshot_and_prunes_older_ones(tmp_path, monke
             assert loop.round(loop.due()) is None
     assert calls == ["traffic-5", "traffic-10"] and "no features" in caplog.text
     assert sorted(p.name for p in (cfg.run_dir / "adapt").glob("traffic-*")) == ["traffic-10"]
+    assert loop.baseline == 10 and loop.due() is None
+
+
+def hold(code: str) -> subprocess.Popen:
+    """A process running ``code``, once it printed its first line."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_due_round_waits_for_a_locked_run_folder_says_so_once_and_runs_once_it_is_free(
+        tmp_path, monkeypatch, caplog):
+    cfg = experiment(tmp_path, "adapt.rounds=1")
+    fake = FakeAdapt([1.0])
+    monkeypatch.setattr(watch_module, "run_adapt", fake)
+    traffic = tmp_path / "capture"
+    capture(traffic)
+    holder = hold("import time\nfrom taps_ray.runstate import folder_lock\n"
+                  f"with folder_lock({str(cfg.run_dir)!r}, 'taps train'):\n    print('held', flush=True)\n"
+                  "    time.sleep(120)\n")
+    done = []
+    try:
+        with caplog.at_level(logging.INFO, logger=watch_module.__name__):
+            loop = threading.Thread(target=lambda: done.extend(Watch(cfg, "a", FakeServed(
+                str(tmp_path / "source")), traffic).run()), daemon=True)
+            loop.start()
+            loop.join(1.0)  # 100 polls
+            assert loop.is_alive() and not done and fake.sources == []
+            assert not list((cfg.run_dir / "adapt").glob("traffic-*"))
+            holder.kill()
+            holder.wait()
+            loop.join(30)
+    finally:
+        holder.kill()
+    assert not loop.is_alive() and len(done) == 1 and done[0].promoted and len(fake.sources) == 1
+    waits = [r.getMessage() for r in caplog.records if "waits for the run folder" in r.getMessage()]
+    assert len(waits) == 1 and f"pid {holder.pid}" in waits[0] and "taps train" in waits[0]
+    assert "the run folder is free again" in caplog.text
+
+
+def test_a_lock_training_finds_held_defers_the_round_instead_of_ending_the_loop(tmp_path, monkeypatch):
+    cfg = experiment(tmp_path, "adapt.rounds=1")
+    fake = FakeAdapt([1.0])
+    attempts = []
+
+    def busy_once(cfg, traffic, source, target=None):
+        attempts.append(Path(traffic).name)
+        if len(attempts) == 1:
+            raise FolderLocked("features/math is in use by pid 1 (taps prepare)")
+        return fake(cfg, traffic, source, target)
+
+    monkeypatch.setattr(watch_module, "run_adapt", busy_once)
+    traffic = tmp_path / "capture"
+    capture(traffic)
+    done = Watch(cfg, "a", FakeServed(str(tmp_path / "source")), traffic).run()
+    assert attempts == ["traffic-5", "traffic-5"] and len(done) == 1 and done[0].captured == EVERY
+
+
+def test_a_second_loop_on_the_same_drafter_and_run_folder_is_refused_naming_the_first(tmp_path, monkeypatch):
+    """A loop on another drafter of the same run folder is not: it runs its round."""
+    traffic = tmp_path / "capture"
+    capture(traffic)
+    quiet = experiment_overrides(tmp_path, "adapt.every=1000")
+    first = hold("from taps_ray.config import load_config\nfrom taps_ray.train.watch import Watch\n"
+                 "class Served:\n    promoted = None\n    printed = False\n"
+                 "    def reconcile(self):\n        if not self.printed:\n            print('held', flush=True)\n"
+                 "        self.printed = True\n        return 0\n"
+                 f"Watch(load_config(None, {quiet!r}), 'a', Served(), {str(traffic)!r}).run()\n")
+    try:
+        monkeypatch.setattr(watch_module, "run_adapt", FakeAdapt([1.0, 1.0]))
+        with pytest.raises(FolderLocked, match=f"pid {first.pid} .*taps adapt --watch \\(drafter a\\)"):
+            Watch(experiment(tmp_path, "adapt.rounds=1"), "a", FakeServed(str(tmp_path / "source")), traffic).run()
+        other = experiment(tmp_path, "adapt.rounds=1", f"serve.drafters.b={{checkpoint: {tmp_path / 'source'}}}")
+        assert len(Watch(other, "b", FakeServed(str(tmp_path / "source")), traffic).run()) == 1
+    finally:
+        first.kill()
+        first.wait()
 
 
 @pytest.mark.parametrize("keep", [0, -1])
