@@ -9,7 +9,10 @@ folder stays, with the reason in the promotion log).
 :class:`ServedDrafter` is one drafter deployment of a running application, through Serve's public handle
 API: :meth:`~ServedDrafter.swap` calls the replicas' ``reconfigure`` with the deployment's ``user_config``
 but the new checkpoint (the hot-swap path: a running request keeps the drafter it started with, a new one
-drafts with the new version) and returns once every replica reports it. A replica Serve starts later
+drafts with the new version) and returns once every replica reports it. A swap that only some replicas
+took (one raised loading it, or still serves another version after a second try) is rolled back: every
+replica is moved back to the version served before, which stays the promoted one, and
+:class:`PartialSwap` names the replicas on each side. A replica Serve starts later
 (a replacement, autoscaling) starts from the deployment's own ``user_config``, the configured checkpoint:
 :meth:`~ServedDrafter.reconcile` moves such replicas to the promoted version, and the ``taps adapt
 --watch`` loop calls it on every poll. Until then that replica drafts with the older version: outputs are
@@ -37,6 +40,10 @@ LOG_NAME = "promotions.jsonl"
 
 class PromotionError(RuntimeError):
     """A drafter that cannot be promoted into, or a swap the replicas did not take."""
+
+
+class PartialSwap(PromotionError):
+    """A swap that reached only some replicas and was rolled back (the message names them)."""
 
 
 @dataclass(frozen=True)
@@ -105,35 +112,77 @@ class ServedDrafter:
         specs = Counter(r["spec"].get("checkpoint") for r in self.replicas())
         return specs.most_common(1)[0][0] if specs else self.user_config.get("checkpoint")
 
+    def _apply(self, checkpoint: str | None) -> tuple[list[dict], list[str]]:
+        """Reconfigure every replica to ``checkpoint``; their stats after, and the errors replicas raised."""
+        config = {**self.user_config, "checkpoint": checkpoint}
+        try:
+            outcomes = self._handle().broadcast("reconfigure", config).results(timeout_s=self.timeout_s,
+                                                                               return_exceptions=True)
+        except Exception as err:  # a broadcast that failed as a whole: the stats say who took it
+            outcomes = [err]
+        errors = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
+        return self.replicas(), errors
+
     def swap(self, checkpoint: str) -> list[dict]:
-        """Every replica serves ``checkpoint`` from its next request on; their stats after the swap."""
-        config = {**self.user_config, "checkpoint": str(checkpoint)}
-        self._handle().broadcast("reconfigure", config).results(timeout_s=self.timeout_s)
-        stats = self.replicas()
-        stale = [r["replica"] for r in stats if r["spec"].get("checkpoint") != str(checkpoint)]
-        if stale:
-            raise PromotionError(f"drafter {self.name!r}: replica(s) {stale} did not take {checkpoint}")
-        self.promoted = str(checkpoint)
-        log.info("drafter %s: promoted %s on %d replica(s)", self.name, checkpoint, len(stats))
-        return stats
+        """Every replica serves ``checkpoint`` from its next request on; their stats after the swap.
+
+        Replicas that do not report it while none raised (started during the swap) are asked once more.
+        :class:`PromotionError` when no replica took it; :class:`PartialSwap` when only some did, after
+        moving them back to the version served before (the promoted one, else the configured one, which
+        becomes ``promoted`` so that :meth:`reconcile` keeps every replica on it)."""
+        checkpoint = str(checkpoint)
+        previous = self.promoted or self.user_config.get("checkpoint")
+        stats, errors = self._apply(checkpoint)
+        if not errors and _off(stats, checkpoint):
+            stats, errors = self._apply(checkpoint)
+        stale = _off(stats, checkpoint)
+        if not stale:
+            self.promoted = checkpoint
+            log.info("drafter %s: promoted %s on %d replica(s)", self.name, checkpoint, len(stats))
+            return stats
+        why = "; ".join(errors) or "they still serve another version"
+        took = [name for r in stats if (name := str(r.get("replica"))) not in stale]
+        if not took:
+            raise PromotionError(f"drafter {self.name!r}: no replica took {checkpoint} ({why}); each keeps the "
+                                 f"version it served")
+        log.warning("drafter %s: the swap to %s reached replica(s) %s only, not %s (%s); moving them back to %s",
+                    self.name, checkpoint, took, stale, why, previous)
+        self.promoted = previous
+        back, _ = self._apply(previous)
+        left = _off(back, previous)
+        after = (f"every replica serves {previous} again" if not left else
+                 f"replica(s) {left} do not serve {previous} yet: reconcile moves them on each poll")
+        if left:
+            log.error("drafter %s: after a partial swap %s", self.name, after)
+        raise PartialSwap(f"drafter {self.name!r}: partial swap, rolled back: replica(s) {took} took {checkpoint}, "
+                          f"{stale} did not ({why}); {after}")
 
     def reconcile(self) -> int:
         """Move replicas that do not serve the promoted checkpoint to it (replicas Serve started since
-        the swap begin from the configured one); how many were moved."""
+        the swap begin from the configured one); how many were off it. Replicas still off it afterwards
+        are logged and tried again on the next call."""
         if self.promoted is None:
             return 0
-        stale = [r for r in self.replicas() if r["spec"].get("checkpoint") != self.promoted]
+        stale = _off(self.replicas(), self.promoted)
         if stale:
-            log.info("drafter %s: %d replica(s) not on the promoted %s; swapping them", self.name, len(stale),
-                     self.promoted)
-            self.swap(self.promoted)
+            log.info("drafter %s: replica(s) %s not on the promoted %s; moving them", self.name, stale, self.promoted)
+            stats, errors = self._apply(self.promoted)
+            if left := _off(stats, self.promoted):
+                log.warning("drafter %s: replica(s) %s still not on %s (%s); trying again on the next poll",
+                            self.name, left, self.promoted, "; ".join(errors) or "no error")
         return len(stale)
+
+
+def _off(stats: list[dict], checkpoint: str | None) -> list[str]:
+    """The replicas of ``stats`` that do not serve ``checkpoint``."""
+    return [str(r.get("replica")) for r in stats if r["spec"].get("checkpoint") != checkpoint]
 
 
 @dataclass
 class Promotion:
     """One line of the promotion log: the version, its parent (the version serving when it was trained), the
-    gate's decision and the tau it was taken on, and the requests captured by then."""
+    gate's decision and the tau it was taken on, the requests captured by then, and ``partial``: the
+    version passed the gate but reached only some replicas and was rolled back (:class:`PartialSwap`)."""
 
     at: float
     drafter: str
@@ -147,6 +196,7 @@ class Promotion:
     tau: dict[str, dict[str, float]]
     traffic_rows: int
     captured: int
+    partial: bool = False
 
 
 class PromotionLog:
@@ -169,9 +219,10 @@ class PromotionLog:
 
 
 def record(drafter: str, version: int, checkpoint: str | Path, parent: str | None, decision: Decision,
-           adapt_record: dict, captured: int) -> Promotion:
+           adapt_record: dict, captured: int, partial: bool = False) -> Promotion:
     """The log line of ``decision`` on the version ``taps adapt`` wrote (its ``adapt`` record), taken when
     the capture folder had captured ``captured`` requests."""
     return Promotion(at=time.time(), drafter=drafter, version=version, checkpoint=str(checkpoint), parent=parent,
                      promoted=decision.promote, reason=decision.reason, gain=decision.gain, losses=decision.losses,
-                     tau=adapt_record["tau"], traffic_rows=int(adapt_record["traffic_rows"]), captured=captured)
+                     tau=adapt_record["tau"], traffic_rows=int(adapt_record["traffic_rows"]), captured=captured,
+                     partial=partial)

@@ -16,7 +16,8 @@ promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafte
    more, so serving keeps its replicas) and scores before / after on the same held-out rows;
 2. :func:`~taps_ray.serving.promote.decide` gates it (``adapt.margin``, ``adapt.min_gain``);
 3. a version that passes is promoted through the hot-swap path (running requests keep their drafter),
-   one that does not stays in its folder;
+   one that does not stays in its folder; one that reached only some replicas is rolled back on all of
+   them (:class:`~taps_ray.serving.promote.PartialSwap`) and kept aside, logged and recorded ``partial``;
 4. the decision goes to the promotion log (``<run folder>/adapt/promotions.jsonl``, with the captured count
    it was taken at) and to the version folder's ``promotion.json``;
 5. what the loop no longer needs is deleted (:meth:`Watch.prune`): the drafter's versions but the last
@@ -48,7 +49,15 @@ from typing import Protocol
 from taps_ray.config import ExperimentConfig
 from taps_ray.runstate import FolderLocked, folder_lock, write_json
 from taps_ray.serving.capture import capture_dir, captured_requests, snapshot
-from taps_ray.serving.promote import Decision, Promotion, PromotionError, PromotionLog, decide, record
+from taps_ray.serving.promote import (
+    Decision,
+    PartialSwap,
+    Promotion,
+    PromotionError,
+    PromotionLog,
+    decide,
+    record,
+)
 from taps_ray.train.adapt import VERSION_PREFIX, AdaptError, run_adapt
 from taps_ray.train.variant import TrainLaunchError
 
@@ -136,17 +145,21 @@ class Watch:
             return None
         self.baseline = captured
         decision: Decision = decide(result.record["tau"], self.cfg.adapt.margin, self.cfg.adapt.min_gain)
+        partial = False
         if decision.promote:
             try:
                 self.served.swap(str(result.out))
             except PromotionError as err:
+                partial = isinstance(err, PartialSwap)
                 decision = Decision(False, f"passed the gate ({decision.reason}) but the swap failed: {err}",
                                     decision.gain, decision.losses)
-        entry = record(self.name, result.version, result.out, source, decision, result.record, captured)
+        entry = record(self.name, result.version, result.out, source, decision, result.record, captured, partial)
         write_json(Path(result.out) / PROMOTION_FILE, asdict(entry))
         self.log.append(entry)
-        log.info("adapt watch: version %d %s: %s", result.version,
-                 "promoted" if decision.promote else "kept aside", decision.reason)
+        (log.warning if partial else log.info)(
+            "adapt watch: version %d %s: %s", result.version,
+            "promoted" if decision.promote else "kept aside after a partial swap" if partial else "kept aside",
+            decision.reason)
         self.prune(frozen, source)
         return entry
 

@@ -15,7 +15,7 @@ import pytest
 from taps_ray.config import CaptureConfig, load_config
 from taps_ray.runstate import FolderLocked
 from taps_ray.serving.capture import CaptureWriter
-from taps_ray.serving.promote import PromotionLog
+from taps_ray.serving.promote import PartialSwap, PromotionLog
 from taps_ray.train import watch as watch_module
 from taps_ray.train.adapt import AdaptError, AdaptResult, next_version
 from taps_ray.train.variant import TrainLaunchError
@@ -216,6 +216,35 @@ def test_a_second_loop_on_the_same_drafter_and_run_folder_is_refused_naming_the_
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_version_that_reached_only_some_replicas_is_kept_aside_and_recorded_as_partial(
+        tmp_path, monkeypatch, caplog):
+    class HalfServed(FakeServed):
+        def swap(self, checkpoint: str) -> None:
+            if checkpoint.endswith("adapt-v2"):
+                raise PartialSwap(f"drafter 'a': partial swap, rolled back: replica(s) ['r1'] took {checkpoint}, "
+                                  f"['r2'] did not; every replica serves {self.promoted} again")
+            super().swap(checkpoint)
+
+    cfg = experiment(tmp_path)
+    monkeypatch.setattr(watch_module, "run_adapt", FakeAdapt([1.0, 1.0]))
+    traffic = tmp_path / "capture"
+    served = HalfServed(str(tmp_path / "source"))
+    loop = Watch(cfg, "a", served, traffic)
+    with caplog.at_level(logging.INFO, logger=watch_module.__name__):
+        entries = []
+        for _ in range(2):
+            capture(traffic)
+            entries.append(loop.round(loop.due()))
+    first, second = entries
+    assert first.promoted and not first.partial
+    assert not second.promoted and second.partial and "partial swap, rolled back" in second.reason
+    log = PromotionLog(cfg.run_dir)
+    assert [e["partial"] for e in log.entries()] == [False, True] and log.last_promoted("a") == first.checkpoint
+    assert served.promoted == first.checkpoint
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "version 2 kept aside after a partial swap" in warned[0].getMessage()
 
 
 @pytest.mark.parametrize("keep", [0, -1])
