@@ -9,6 +9,10 @@ Every later fetch re-hashes the cached file (sha256 runs at ~1.3 GB/s with a war
 0.07-0.25 s for the 98 MB GGUF, ~0.1 s for the 125 MB ShareGPT file on a loaded 2-core machine) and
 fetches it again once if it differs; a download that differs too is refused. A file lock makes
 concurrent fetches (several Ray workers on one node) download once.
+
+A folder built from a pinned file (the dequantised embedded target) has no pin of its own: its builder
+records each file's size and sha256 (:func:`folder_record`) after writing them, and checks the folder
+against that record on every use (:func:`folder_problem`).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def cache_dir() -> Path:
     return root
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of the file at ``path``, hex."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -140,7 +145,7 @@ def _download(pinned: PinnedFile, target: Path, cached_differed: bool) -> None:
             with zf.open(info) as src, partial.open("wb") as dst:
                 while block := src.read(1 << 20):
                     dst.write(block)
-        found = _sha256(partial)
+        found = sha256_file(partial)
         if found != pinned.sha256:
             again = " (the cached copy differed too and was removed)" if cached_differed else ""
             raise ArtifactError(f"refusing {pinned.label}: the downloaded file has sha256 {found}, expected "
@@ -164,7 +169,7 @@ def fetch(pinned: PinnedFile | str) -> Path:
     with FileLock(str(target) + ".lock"):
         differed = False
         if target.exists():
-            found = _sha256(target)
+            found = sha256_file(target)
             if found == pinned.sha256:
                 if not _manifest(target).exists():
                     _write_manifest(pinned, target)
@@ -176,6 +181,34 @@ def fetch(pinned: PinnedFile | str) -> Path:
             differed = True
         _download(pinned, target, differed)
         return target
+
+
+def folder_record(folder: Path) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of each file directly in ``folder``."""
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(Path(folder).iterdir())
+            if p.is_file()}
+
+
+def folder_problem(folder: Path, files: dict[str, dict]) -> str | None:
+    """What keeps ``folder`` from holding exactly the files ``files`` (a :func:`folder_record`) records:
+    a missing, unrecorded, resized or changed file; None when it holds them. Sizes are compared before
+    any file is hashed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in files)
+    if extra:
+        return f"{folder} holds {extra}, which its record does not name"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if (size := path.stat().st_size) != want.get("size"):
+            return f"{path} has {size} bytes, recorded {want.get('size')}"
+    for name, want in files.items():
+        if (found := sha256_file(folder / name)) != want.get("sha256"):
+            return f"{folder / name} has sha256 {found}, recorded {want.get('sha256')}"
+    return None
 
 
 def verify(pinned: PinnedFile | str) -> dict:

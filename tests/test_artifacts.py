@@ -142,7 +142,7 @@ def test_pinned_hashes_match_the_files_cached_here():
     for pinned in artifacts.EMBEDDED.values():
         path = artifacts.cache_dir() / "artifacts" / pinned.key / Path(pinned.member).name
         if path.is_file():
-            assert artifacts._sha256(path) == pinned.sha256, pinned.label
+            assert artifacts.sha256_file(path) == pinned.sha256, pinned.label
             checked += 1
     if not checked:
         pytest.skip("no pinned file is cached on this machine")

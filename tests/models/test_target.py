@@ -141,3 +141,58 @@ def test_teacher_forced_hidden_states_are_each_rows_own_prefill(embedded_target)
     assert not batch[1, 4:].any()
     hf = target.model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     assert torch.allclose(hf[0], batch[0], atol=1e-3), float((hf[0] - batch[0]).abs().max())
+
+
+def test_the_cached_dequantised_model_is_rehashed_on_every_load_and_rebuilt_when_it_differs(
+        tmp_path, monkeypatch, caplog):
+    """The folder is checked against the record written after it: a changed byte, a truncated file, an
+    extra file, a missing record or one of another GGUF each rebuild it from the GGUF, saying why."""
+    import json
+    import logging
+
+    from taps_ray import artifacts
+    from taps_ray.models import target as target_module
+
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    monkeypatch.setattr(artifacts, "fetch", lambda name: gguf)
+    builds = []
+
+    def dequantise(path, into, name):
+        builds.append(name)
+        into.mkdir()
+        (into / "config.json").write_text('{"model_type": "llama"}')
+        (into / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+        (into / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(target_module, "_dequantise", dequantise)
+    folder = target_module._embedded_hf_folder("smollm2-135m")
+    record = folder.with_name("smollm2-135m.manifest.json")
+    model = folder / "model.safetensors"
+    good = model.read_bytes()
+    assert builds == ["smollm2-135m"] and json.loads(record.read_text())["files"]["model.safetensors"]["size"] == len(good)
+    assert target_module._embedded_hf_folder("smollm2-135m") == folder and len(builds) == 1
+
+    def tamper_byte():
+        model.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+
+    def reseal_with_other_gguf():
+        saved = json.loads(record.read_text())
+        record.write_text(json.dumps({**saved, "gguf_sha256": "0" * 64}))
+
+    cases = [(tamper_byte, "has sha256"), (lambda: model.write_bytes(good[:1000]), "has 1000 bytes, recorded 16384"),
+             ((lambda: (folder / "extra.py").write_text("x")), "['extra.py'], which its record does not name"),
+             (record.unlink, "its record of the files) is missing"), (model.unlink, "model.safetensors is missing"),
+             (reseal_with_other_gguf, f"dequantised from a GGUF of sha256 {'0' * 64}")]
+    for number, (damage, reason) in enumerate(cases, 2):
+        damage()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=target_module.__name__):
+            assert target_module._embedded_hf_folder("smollm2-135m") == folder
+        assert len(builds) == number and reason in caplog.text and "rebuilding it from the verified" in caplog.text
+        assert model.read_bytes() == good and sorted(p.name for p in folder.iterdir()) == [
+            "config.json", "model.safetensors", "tokenizer.json"]
+        assert target_module._embedded_hf_folder("smollm2-135m") == folder and len(builds) == number
+    assert sorted(p.name for p in folder.parent.iterdir()) == [
+        "smollm2-135m", "smollm2-135m.lock", "smollm2-135m.manifest.json"]
