@@ -35,6 +35,7 @@ from taps_ray.models.target import TargetModel
 from taps_ray.models.target_head import load_target_head
 from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.decoder import load_drafter
+from taps_ray.spec.protocol import at_depth
 from taps_ray.spec.tree import DIRECT, DraftCompute, DrafterState, DraftTree, draft_tree
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,10 @@ class DraftSessions:
         return None if ids is None else ids.sort().values.cpu()
 
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                support: torch.Tensor | None = None) -> dict:
+                support: torch.Tensor | None = None, depth: int | None = None) -> dict:
         """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
-        request ``rid`` and draft a tree rooted at the last token.
+        request ``rid`` and draft a tree rooted at the last token, no deeper than node depth ``depth`` (None:
+        the deployment's tree; see :class:`~taps_ray.spec.protocol.DecodeState`).
 
         ``support`` (sorted target ids containing the draft vocabulary; None: the draft vocabulary) is
         read when the call opens the session (``offset`` 0): the session's trees are drafted over it
@@ -137,8 +139,8 @@ class DraftSessions:
                 if upto < session.wanted or upto < session.held:
                     return {"superseded": True, "held": session.held}
                 if session.tree_at != upto:
-                    session.last_tree = draft_tree(session.state.drafter, self.target, session.state, self.tree,
-                                                   session.support)
+                    session.last_tree = draft_tree(session.state.drafter, self.target, session.state,
+                                                   at_depth(self.tree, depth), session.support)
                     session.tree_at = upto
             except Exception:
                 self.end(rid)
@@ -235,23 +237,23 @@ class Drafter:
         return self.sessions.vocabulary()
 
     async def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                      support: torch.Tensor | None = None) -> dict:
+                      support: torch.Tensor | None = None, depth: int | None = None) -> dict:
         """:meth:`DraftSessions.propose` on the replica's drafting pool (see the class docs)."""
         self.drafting += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, self._propose, rid, offset, tokens,
-                                                                    features, support)
+                                                                    features, support, depth)
         finally:
             self.drafting -= 1
 
     def _propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                 support: torch.Tensor | None) -> dict:
+                 support: torch.Tensor | None, depth: int | None = None) -> dict:
         if self.delay_s:
             time.sleep(self.delay_s)
         faults.drafter_fault(self.fault, self.name)
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        return self.sessions.propose(rid, offset, tokens, features, support)
+        return self.sessions.propose(rid, offset, tokens, features, support, depth)
 
     def end(self, rid: str) -> bool:
         return self.sessions.end(rid)

@@ -47,7 +47,7 @@ class DrafterClient(Protocol):
     """A drafter as the verifier sees it (a deployment handle, or a local object in tests)."""
 
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                support: torch.Tensor | None = None) -> Reply: ...
+                support: torch.Tensor | None = None, depth: int | None = None) -> Reply: ...
 
     def vocabulary(self) -> Reply: ...
 
@@ -61,8 +61,8 @@ class HandleClient:
         self.handle = handle
 
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                support: torch.Tensor | None = None) -> Reply:
-        return _HandleReply(self.handle.propose.remote(rid, offset, tokens, features, support))
+                support: torch.Tensor | None = None, depth: int | None = None) -> Reply:
+        return _HandleReply(self.handle.propose.remote(rid, offset, tokens, features, support, depth))
 
     def vocabulary(self) -> Reply:
         return _HandleReply(self.handle.vocabulary.remote())
@@ -163,6 +163,7 @@ class RemoteStrategy:
         self._features = torch.empty(self._tokens.numel(), features.shape[-1], dtype=features.dtype)
         self._append(tokens.cpu(), features.cpu())
         self.sent = {name: 0 for name in self.names}
+        self._depth: int | None = None
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         notes = state.notes
@@ -175,6 +176,7 @@ class RemoteStrategy:
         for name in [n for n in drafting if self.resume_at.get(n, 0) > step]:
             self._skip(notes, step, name, "backoff")
             drafting.remove(name)
+        self._depth = state.depth
         got = self._gather(drafting, notes, step)
         root = int(state.tokens[-1])
         for name in list(got):
@@ -253,7 +255,7 @@ class RemoteStrategy:
         end = self.length
         return self.clients[name].propose(self.rid, offset, self._tokens[offset:end].clone(),
                                           self._features[offset:end].clone(),
-                                          self.support if offset == 0 else None)
+                                          self.support if offset == 0 else None, depth=self._depth)
 
     def _gather(self, names: list[str], notes: dict, step: int) -> dict[str, DraftTree]:
         deadline = time.monotonic() + self.deadline_s

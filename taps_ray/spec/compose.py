@@ -209,8 +209,8 @@ class _Ensemble:
         for state in self.states:
             state.add(tokens, features)
 
-    def draft(self, i: int) -> DraftTree:
-        return draft_tree(self.drafters[i], self.target, self.states[i], self.tree, self.support)
+    def draft(self, i: int, state: DecodeState) -> DraftTree:
+        return draft_tree(self.drafters[i], self.target, self.states[i], state.tree(self.tree), self.support)
 
 
 class RoutedStrategy(_Ensemble):
@@ -248,9 +248,9 @@ class RoutedStrategy(_Ensemble):
         probe = self.probing(self.steps)
         self.steps += 1
         if probe:
-            trees = [self.draft(i) for i in range(len(self.drafters))]
+            trees = [self.draft(i, state) for i in range(len(self.drafters))]
         else:
-            trees = [self.draft(i) if i == self.route.choice else None for i in range(len(self.drafters))]
+            trees = [self.draft(i, state) if i == self.route.choice else None for i in range(len(self.drafters))]
         tree, meta = compose_trees(self.spec, trees, self.names, self.tree.total_tokens)
         if probe and self.route is not None:
             self.route.observe(meta["signals"])
@@ -270,7 +270,7 @@ class MergedStrategy(_Ensemble):
         self.name = "merged:budget" if budget else "merged:union"
 
     def propose(self, state: DecodeState) -> DraftTree:
-        trees = [self.draft(i) for i in range(len(self.drafters))]
+        trees = [self.draft(i, state) for i in range(len(self.drafters))]
         spec = StrategySpec("merged", merge="budget" if self.budget else "union")
         merged, meta = compose_trees(spec, trees, self.names, self.tree.total_tokens)
         merged.meta.update(meta)

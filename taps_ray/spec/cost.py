@@ -25,6 +25,12 @@ tokens per second ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` -- a busy
 and a batch of requests sharing a budget drafts only when drafting for all of them beats decoding all of them
 plainly (N = 1, R = S = D = 0 alone). While drafting does not pay, the probes that check it again back off
 (their interval doubles after each probe that still does not pay, up to ``8 * probe_every``).
+
+Depth is chosen the same way, before drafting (:meth:`TreeBudget.depth`): every drafted step tells, in
+hindsight, what a shallower tree would have appended and verified (an accepted path keeps its nodes down to
+the depth, and those on the prompt-lookup chain, which a shallower tree carries too), and each drafted depth's
+own seconds are timed, so the budget drafts down to the depth whose tokens per second are highest (the
+configured depth every ``explore_every``-th drafted step, so the deeper levels stay observed).
 """
 
 from __future__ import annotations
@@ -252,6 +258,19 @@ SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """Bins of a node's path score (cumulative draft log-prob): (-0.25, 0], (-0.5, -0.25], .., below -6."""
 
 
+@dataclass
+class _DepthStats:
+    """Running means, for trees drafted down to one depth: ``gain`` tokens appended, ``nodes`` verified (both
+    from every step drafted at least that deep, in hindsight), ``draft_s`` seconds of drafting (from the steps
+    drafted exactly that deep); ``seen`` / ``timed``: how many steps fed them."""
+
+    gain: float = 0.0
+    nodes: float = 0.0
+    draft_s: float = 0.0
+    seen: int = 0
+    timed: int = 0
+
+
 class TreeBudget:
     """Per-step tree sizes for one drafting strategy (see the module docstring); share one across that
     strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
@@ -268,6 +287,7 @@ class TreeBudget:
     """
 
     KINDS = ("draft", "lookup")
+    DEPTH_EVIDENCE = 4
 
     def __init__(self, cost: CostModel | None = None, decay: float = 0.98, probe_every: int = 8,
                  explore_every: int = 4, prior: float = 2.0):
@@ -279,8 +299,9 @@ class TreeBudget:
         bins = len(SCORE_EDGES) + 1
         self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
-        self._drafted_steps = self._draft_samples = 0
-        self._gain = self._draft_s = self._nodes = 0.0
+        self._drafted_steps = 0
+        self._depths: dict[int, _DepthStats] = {}
+        self._drafted_depth: int | None = None
         self._skipped = 0
         self._probe_gap = probe_every
         self._new_request = False
@@ -332,14 +353,45 @@ class TreeBudget:
         return False
 
     def pays(self, others: tuple = Others()) -> bool:
-        """Whether drafting, as recently observed, beats a plain step beside ``others`` (see
+        """Whether drafting, as recently observed at its best depth, beats a plain step beside ``others`` (see
         :meth:`should_draft`)."""
         rows, tokens, waits, peers = Others(*others)
+        plain = (1 + peers + tokens) / (waits + self.scale * float(self.cost.verify(rows + 1 + peers)))
+        rates = self._depth_rates(others)
+        return not rates or max(rates.values()) >= plain
+
+    def _draft_s(self, depth: int) -> float:
+        """Seconds of drafting down to ``depth``: as timed there, else scaled from the deepest timed depth by
+        the drafter passes (one per level and one for the queued pairs); 0 before anything is timed."""
+        stats = self._depths[depth]
+        if stats.timed:
+            return stats.draft_s
+        timed = [d for d, s in self._depths.items() if s.timed]
+        if not timed:
+            return 0.0
+        deepest = max(timed)
+        return self._depths[deepest].draft_s * (depth + 1) / (deepest + 1)
+
+    def _depth_rates(self, others: tuple = Others()) -> dict[int, float]:
+        """Expected tokens per second of a drafted step beside ``others``, per depth observed."""
+        rows, tokens, waits, peers = Others(*others)
         n = 1 + peers
-        drafted = (n * self._gain + tokens) / (waits + n * self._draft_s
-                                               + self.scale * float(self.cost.verify(rows + n * self._nodes)))
-        plain = (n + tokens) / (waits + self.scale * float(self.cost.verify(rows + n)))
-        return drafted >= plain
+        return {d: (n * s.gain + tokens) / (waits + n * self._draft_s(d)
+                                             + self.scale * float(self.cost.verify(rows + n * s.nodes)))
+                for d, s in self._depths.items() if s.seen}
+
+    def depth(self, others: tuple = Others()) -> int | None:
+        """The depth to draft this step down to (node depth: 1 = the root's children only), the one whose
+        observed tokens per second beside ``others`` are highest; None (the strategy's own depth) until
+        ``DEPTH_EVIDENCE`` drafted steps were observed at every depth, when the deepest pays best, and every
+        ``explore_every``-th drafted step."""
+        if not self._depths or self._depths[max(self._depths)].seen < self.DEPTH_EVIDENCE:
+            return None
+        if self.explore_every and (self._drafted + 1) % self.explore_every == 0:
+            return None
+        rates = self._depth_rates(others)
+        best = max(rates, key=rates.get)
+        return None if best == max(self._depths) else best
 
     @staticmethod
     def _is_lookup(tree: DraftTree) -> torch.Tensor:
@@ -349,6 +401,19 @@ class TreeBudget:
         if m:
             flags[tree.size - m:] = True
         return flags
+
+    def _deepest_drafted(self, tree: DraftTree) -> int:
+        """The depth of ``tree``'s deepest drafted (not prompt-lookup) node; 0 for a lookup chain alone."""
+        return int(tree.depth[~self._is_lookup(tree)].max())
+
+    def _on_chain(self, tree: DraftTree) -> torch.Tensor:
+        """[N] bool: the nodes of the prompt-lookup chain, the drafted nodes it shares included (the ancestors
+        of the node the first lookup node hangs from); a shallower tree would carry them too."""
+        lookup = self._is_lookup(tree)
+        m = int(lookup.sum())
+        if not m:
+            return lookup
+        return lookup | tree.mask[int(tree.parent[tree.size - m])].cpu()
 
     def chance(self, tree: DraftTree) -> torch.Tensor:
         """[N - 1] predicted acceptance chance of each non-root node (see the class docstring)."""
@@ -366,6 +431,7 @@ class TreeBudget:
         if tree.size <= 1:
             return None
         self._drafted += 1
+        self._drafted_depth = self._deepest_drafted(tree)
         explore = bool(self.explore_every) and self._drafted % self.explore_every == 0
         chance = self.chance(tree)
         order = torch.sort(chance, descending=True, stable=True).indices
@@ -411,10 +477,22 @@ class TreeBudget:
             self._seen[kind] = self.decay * self._seen[kind] + torch.bincount(bins[mask], minlength=size).double()
             self._hits[kind] = self.decay * self._hits[kind] + torch.bincount(
                 bins[mask], weights=accepted[1:][mask], minlength=size)
-        first = self._drafted_steps == 0
         self._drafted_steps += 1
-        for name, value in (("_gain", float(path.numel())), ("_nodes", float(tree.size))):
-            setattr(self, name, value if first else w * getattr(self, name) + (1 - w) * value)
+        drafted = self._drafted_depth if self._drafted_depth is not None else self._deepest_drafted(tree)
+        self._drafted_depth = None
+        if drafted < 1:
+            return
+        depth, path = tree.depth.cpu(), path.cpu()
+        carried = self._on_chain(tree)
+        for d in range(1, drafted + 1):
+            kept = (depth <= d) | carried
+            stats = self._depths.setdefault(d, _DepthStats())
+            gain, nodes = 1.0 + float(kept[path[1:]].cumprod(0).sum()), float(kept.sum())
+            first = stats.seen == 0
+            stats.gain = gain if first else w * stats.gain + (1 - w) * gain
+            stats.nodes = nodes if first else w * stats.nodes + (1 - w) * nodes
+            stats.seen += 1
         if draft_s is not None:
-            self._draft_s = draft_s if not self._draft_samples else w * self._draft_s + (1 - w) * draft_s
-            self._draft_samples += 1
+            stats = self._depths[drafted]
+            stats.draft_s = draft_s if not stats.timed else w * stats.draft_s + (1 - w) * draft_s
+            stats.timed += 1

@@ -353,6 +353,7 @@ def _step(request: _Request) -> str | None:
     first_draft = False
     if limit != 1 and (budget is None or budget.should_draft(others)):
         first_draft, request.drafted = not request.drafted, True
+        state.depth = None if budget is None else budget.depth(others)
         tree = request.strategy.propose(state)
         if tree is not None and limit is not None and tree.size > limit:
             limited["shed"], tree = tree.size - limit, tree.top(limit)

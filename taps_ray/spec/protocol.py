@@ -25,6 +25,8 @@ class DecodeState:
 
     ``tokens`` [L] prompt + generated so far; ``tokens[-1]`` is the root (not yet in the target's
     cache), so ``prefix_len == L - 1`` is the root's position; ``step`` counts verifications.
+    ``depth``: the deepest node depth to draft this step (1: the root's children only; None: the strategy's
+    own tree), set by the loop's tree budget; strategies draft no deeper than it and their tree.
     ``notes``: what the strategy wants kept about this step (who answered, what was skipped); the loop
     puts it in the step record's ``meta``.
     """
@@ -34,6 +36,19 @@ class DecodeState:
     prompt_len: int
     step: int
     notes: dict = field(default_factory=dict)
+    depth: int | None = None
+
+    def tree(self, cfg: TreeConfig) -> TreeConfig:
+        """``cfg`` drafting no deeper than :attr:`depth` (:func:`at_depth`)."""
+        return at_depth(cfg, self.depth)
+
+
+def at_depth(cfg: TreeConfig, depth: int | None) -> TreeConfig:
+    """``cfg`` drafting no deeper than node depth ``depth`` (None: ``cfg``); ``cfg.depth`` counts expansions
+    after the first level, so its deepest nodes are at node depth ``cfg.depth + 1``."""
+    if depth is None or depth > cfg.depth:
+        return cfg
+    return cfg.model_copy(update={"depth": max(depth - 1, 0)})
 
 
 @runtime_checkable
@@ -92,7 +107,8 @@ class SingleStrategy:
         self.state.add(tokens, features)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        return graft_lookup(draft_tree(self.drafter, self.target, self.state, self.tree), state.tokens, self.tree)
+        return graft_lookup(draft_tree(self.drafter, self.target, self.state, state.tree(self.tree)), state.tokens,
+                            self.tree)
 
     def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self.state.add(tokens, features)

@@ -44,7 +44,7 @@ class LocalClient:
         self.ended: list[str] = []
 
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
-                support: torch.Tensor | None = None) -> LocalReply:
+                support: torch.Tensor | None = None, depth: int | None = None) -> LocalReply:
         with self.lock:
             index = self.calls
             self.calls += 1
@@ -55,7 +55,7 @@ class LocalClient:
                 time.sleep(self.delay_s)
             if index in self.fail:
                 raise RuntimeError(f"injected failure on call {index}")
-            return replica.propose(rid, offset, tokens, features, support)
+            return replica.propose(rid, offset, tokens, features, support, depth)
 
         return LocalReply(POOL.submit(call))
 

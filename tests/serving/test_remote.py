@@ -22,6 +22,7 @@ from taps_ray.serving.verifier import Verifier
 from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.decoder import generate
+from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.tree import DIRECT
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
@@ -99,6 +100,18 @@ def fresh_tree(target, drafter, tokens: torch.Tensor):
     """The tree a new session drafts from the prefix ``tokens`` (root last), features teacher-forced."""
     features = target.hidden_states(tokens[None, :-1])[0]
     return DraftSessions(target, drafter, TREE).propose("fresh", 0, tokens[1:], features)["tree"]
+
+
+def test_remote_drafters_draft_no_deeper_than_the_step_asks(bigram, drafters):
+    """The loop's budget asks each step for a depth; a drafter deployment drafts to it, not to its own tree."""
+    prompt = random_prompt(bigram, 6, 2)
+    depths = []
+    for depth in (1, None, 2):
+        strategy, _ = remote(bigram, {"even": drafters["even"]}, "single")
+        strategy.start(bigram, prompt[1:], bigram.hidden_states(prompt[None, :-1])[0])
+        state = DecodeState(prompt, prompt.numel() - 1, prompt.numel(), 0, depth=depth)
+        depths.append(int(strategy.propose(state).depth.max()))
+    assert depths == [1, TREE.depth + 1, 2]
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -53,8 +53,8 @@ class Spy:
         self.log.append({"tokens": state.tokens.clone(), "drafted": self.drafted, "tree": tree})
         return tree
 
-    def draft(self, i):
-        tree = super().draft(i)
+    def draft(self, i, state):
+        tree = super().draft(i, state)
         self.drafted[i] = tree
         return tree
 

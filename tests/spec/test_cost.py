@@ -129,6 +129,83 @@ def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
     assert budget.pays()
 
 
+def _chain(depth: int, width: int = 1):
+    """A tree of ``width`` chains of ``depth`` nodes under the root (node depth d of chain c: 1 + c * depth + d - 1)."""
+    parent, score = [-1], [0.0]
+    for _ in range(width):
+        for d in range(depth):
+            parent.append(0 if d == 0 else len(parent) - 1)
+            score.append(-0.1 * (d + 1))
+    return build_tree(list(range(2, 2 + len(parent))), parent, score=score)
+
+
+def _deep_and_shallow(deep_accepted: bool, draft_s_per_level: float = 0.01):
+    """A budget that saw DEPTH_EVIDENCE full depth-3 steps (3 chains) accepting 3 nodes or 1, and timed
+    depth-3 drafting at 4 drafter passes of ``draft_s_per_level``."""
+    budget = TreeBudget(_model([0.04, 0.045, 0.06, 0.09, 0.15]), probe_every=100, explore_every=0)
+    tree = _chain(3, width=3)
+    path = torch.tensor([0, 1, 2, 3] if deep_accepted else [0, 1])
+    for _ in range(TreeBudget.DEPTH_EVIDENCE):
+        budget.observe(tree, path, draft_s=4 * draft_s_per_level, verify_s=0.06)
+    return budget
+
+
+def test_the_budget_drafts_only_as_deep_as_pays():
+    """Depth-2 and -3 nodes never accepted: in hindsight a depth-1 tree appends as much for fewer nodes and one
+    drafter pass of four, so the budget asks for depth 1; when the deep nodes are accepted it keeps the tree's."""
+    shallow = _deep_and_shallow(deep_accepted=False)
+    assert shallow.depth() == 1
+    stats = shallow._depths
+    assert [round(stats[d].gain, 3) for d in (1, 2, 3)] == [2.0, 2.0, 2.0]
+    assert [round(stats[d].nodes, 3) for d in (1, 2, 3)] == [4.0, 7.0, 10.0]
+    assert shallow._draft_s(1) == pytest.approx(0.02), "scaled by drafter passes from depth 3's timing"
+    assert _deep_and_shallow(deep_accepted=True).depth() is None
+
+
+def test_the_depth_stays_the_strategys_until_each_depth_has_evidence_and_on_exploring_steps():
+    budget = TreeBudget(_model([0.04, 0.04, 0.04, 0.04, 0.04]), probe_every=100, explore_every=3)
+    tree, path = _chain(3, width=3), torch.tensor([0, 1])
+    decisions = []
+    for _ in range(9):
+        decisions.append(budget.depth())
+        kept = budget.choose(tree if decisions[-1] is None else tree.select(torch.arange(4)), 0.0)
+        budget.observe(kept, path, draft_s=0.04 if decisions[-1] is None else 0.02, verify_s=0.06)
+    assert decisions[:TreeBudget.DEPTH_EVIDENCE + 1].count(None) >= TreeBudget.DEPTH_EVIDENCE
+    assert all(d in (None, 1) for d in decisions) and 1 in decisions
+    assert [i for i, d in enumerate(decisions) if d is None and i >= 6] == [8], "every 3rd drafted step explores"
+
+
+def test_nodes_on_the_lookup_chain_count_at_every_depth():
+    """A shallower tree carries the prompt-lookup chain too: a path accepted along it appends as much."""
+    from taps_ray.spec.lookup import graft_chain
+
+    budget = TreeBudget(_model([0.04, 0.045, 0.06, 0.09, 0.15]), probe_every=100)
+    drafted = _chain(2)  # tokens 3, 4 at depths 1, 2
+    tree = graft_chain(drafted, torch.tensor([3, 4, 9, 10]))
+    assert tree.meta["lookup_nodes"] == 2
+    budget.observe(tree, torch.tensor([0, 1, 2, 3, 4]), draft_s=0.02)
+    assert budget._depths[1].gain == 5.0 and budget._depths[1].nodes == 5.0
+    other = TreeBudget(_model([0.04, 0.045, 0.06, 0.09, 0.15]))
+    other.observe(drafted, torch.tensor([0, 1, 2]), draft_s=0.02)
+    assert other._depths[1].gain == 2.0 and other._depths[2].gain == 3.0
+
+
+def test_strategies_draft_no_deeper_than_the_step_asks():
+    from taps_ray.spec.protocol import DecodeState
+
+    target = bigram_target(0)
+    drafters = {"a": oracle_drafter(target), "b": sharp_drafter(target, 1)}
+    prompt = random_prompt(target, 6, 0)
+    for name in ALL:
+        depths = {}
+        for depth in (None, 1, 2):
+            strategy = build_strategy(name, drafters, TREE)
+            strategy.start(target, prompt[1:], torch.zeros(prompt.numel() - 1, target.hidden_size))
+            state = DecodeState(prompt, prompt.numel() - 1, prompt.numel(), 0, depth=depth)
+            depths[depth] = int(strategy.propose(state).depth.max())
+        assert depths[1] == 1 and depths[2] == 2 and 2 < depths[None] <= TREE.depth + 1, (name, depths)
+
+
 def test_a_new_request_probes_again_after_probe_every_steps():
     budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
