@@ -487,6 +487,9 @@ class ServeConfig(Strict):
     max_stop_sequences: int = Field(default=8, ge=0, description="stop strings per request")
     max_stop_chars: int = Field(default=256, ge=1, description="characters per stop string")
     max_tokens_cap: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
+    max_buffered_events: int = Field(default=64, ge=1, description=(
+        "output events (a decoding step's text each) a verifier holds for one request that its reader has not "
+        "taken; beyond them the request's decoding waits (until read, cancelled or timed out)"))
     max_draft_deadline_s: float | None = Field(default=None, ge=0, description=(
         "the largest taps.draft_deadline_s a request may ask for, 400 beyond (None: draft_deadline_s, so "
         "clients may only shorten it)"))

@@ -33,6 +33,9 @@ from taps_ray.spec.cost import TreeBudget, cost_model
 from taps_ray.spec.decoder import check_sampling
 
 log = logging.getLogger(__name__)
+FINAL_EVENTS = ("done", "error")
+ROOM_POLL_S = 0.05
+"""How often a decode loop waiting for room in its event buffer checks for cancellation and its deadline."""
 
 
 async def _settle(done: asyncio.Future) -> None:
@@ -101,11 +104,12 @@ class Verifier:
         self.budgets: dict[str, TreeBudget] = {}
         self.active = 0
         self.waiting = 0
+        self.stalled = 0
         self.counts: Counter = Counter()
         self._active_lock = threading.Lock()
         self._supports: dict[frozenset[str], torch.Tensor | None] = {}
         self.batcher = ForwardBatcher(self.target, self.cfg.batch_max_requests, self.cfg.batch_wait_ms / 1000,
-                                      expected=lambda: self.active)
+                                      expected=lambda: self.active - self.stalled)
         self.batched = BatchingTarget(self.target, self.batcher)
 
     def budget(self, plan: Plan) -> TreeBudget | None:
@@ -154,20 +158,30 @@ class Verifier:
         """The target, its context length, the drafters, this replica's pid, Ray node id (``node_id``, hex) and
         resident memory; ``active``:
         decode loops running now (prefill included), ``waiting``: requests accepted but not yet started,
+        ``stalled``: decode loops waiting for their reader (:meth:`generate`),
         ``outcomes``: how past requests ended (``finished``, ``refused``, ``failed``, ``cancelled`` /
         ``timeout`` while decoding, ``cancelled_before_prefill`` / ``timeout_before_prefill``), ``batches``:
         target forwards run so far per number of requests they verified; ``cost_model``: :meth:`cost_info`."""
         return {"model": self.target.name, "max_context": self.target.max_context, "drafters": list(self.clients),
                 "pid": os.getpid(), "node_id": node_id(), "rss_bytes": rss_bytes(), "active": self.active,
-                "waiting": self.waiting,
+                "waiting": self.waiting, "stalled": self.stalled,
                 "outcomes": dict(self.counts), "batches": dict(self.batcher.sizes), "cost_model": self.cost_info()}
 
     async def generate(self, request: DecodeRequest):
+        """The request's events (see the class); the caller reads them as they come. At most
+        ``serve.max_buffered_events`` events wait here unread: a decode loop whose reader falls that far
+        behind waits before its next event (its slot held, its tokens kept; ``stalled`` in :meth:`info`)
+        until the reader takes one, the caller goes away (then it stops as cancelled) or the request's
+        deadline passes (then it ends with its 504). The final ``done`` or ``error`` never waits."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        room = threading.BoundedSemaphore(self.cfg.max_buffered_events)
+        expires = request.expires_at if request.expires_at is not None else time.time() + self.cfg.request_timeout_s
 
         def emit(event: dict) -> None:
+            if event["type"] not in FINAL_EVENTS and not self._wait_for_room(room, cancel, expires):
+                return
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         with self._active_lock:
@@ -176,12 +190,30 @@ class Verifier:
         try:
             while True:
                 event = await queue.get()
-                yield event
-                if event["type"] in ("done", "error"):
+                if event["type"] in FINAL_EVENTS:
+                    yield event
                     break
+                room.release()
+                yield event
         finally:
             cancel.set()
             await _settle(done)
+
+    def _wait_for_room(self, room: threading.BoundedSemaphore, cancel: threading.Event, expires: float) -> bool:
+        """Take a place in a request's event buffer, waiting while it is full; False (no place) once
+        ``cancel`` is set or the wall-clock deadline ``expires`` has passed."""
+        if room.acquire(blocking=False):
+            return True
+        with self._active_lock:
+            self.stalled += 1
+        try:
+            while not room.acquire(timeout=ROOM_POLL_S):
+                if cancel.is_set() or time.time() > expires:
+                    return False
+            return True
+        finally:
+            with self._active_lock:
+                self.stalled -= 1
 
     def decode(self, request: DecodeRequest, emit: Callable[[dict], None], cancel: threading.Event | None = None,
                queued: bool = False) -> None:
