@@ -122,6 +122,23 @@ def serve_controller():
     return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
+SERVE_CONTROLLER_TIMEOUT_S = 30.0
+
+
+def serve_http_host() -> str | None:
+    """The address Serve's HTTP proxies bind (the Serve controller's ``get_http_config().host``); None when this
+    process is not connected to Ray or no Serve controller runs. Blocking: call it off an event loop."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        controller = serve_controller()
+    except ValueError:
+        return None
+    return ray.get(controller.get_http_config.remote(), timeout=SERVE_CONTROLLER_TIMEOUT_S).host
+
+
 # --- Ray Train V2 ---
 
 def train_report_logger_name() -> str:

@@ -72,6 +72,16 @@ def exposure_refusal(host: str, api_keys: Iterable[str], allow_unauthenticated: 
             f"serve.allow_unauthenticated=true to serve it open on purpose")
 
 
+def open_warning(host: str) -> str:
+    """The warning of an endpoint served on ``host`` without API keys (beyond loopback only with
+    ``serve.allow_unauthenticated``, which :func:`exposure_refusal` requires)."""
+    if is_loopback(host):
+        return (f"no API keys (serve.api_keys, --api-key, {ENV_KEYS}): anyone who can reach {host} on this machine "
+                f"may use the endpoint")
+    return (f"serve.allow_unauthenticated is set: serving on {host!r}, beyond loopback, WITHOUT API keys: anyone "
+            f"who can reach that address may use the endpoint")
+
+
 @dataclass(frozen=True)
 class AccessPolicy:
     """What :class:`AccessGuard` enforces; no ``api_keys`` means open access, no ``allowed_hosts`` any Host."""

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from taps_ray import ray_compat
 from taps_ray.config import ConfigError, ExperimentConfig, ServeConfig, apply_overrides, load_config
-from taps_ray.serving.access import exposure_refusal, is_loopback, resolve_api_keys
+from taps_ray.serving.access import exposure_refusal, open_warning, resolve_api_keys
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
 from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, drafter_deployment_name, resolve_plan
@@ -127,8 +128,20 @@ def served_model_name(target: str) -> str:
 
 def build_app(args: dict):
     """Application builder for ``serve run`` / ``serve deploy`` (``import_path: taps_ray.serving.app:build_app``);
-    ``args`` as :class:`AppArgs` (Serve passes the config's ``args`` mapping)."""
-    return application((args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})).load())
+    ``args`` as :class:`AppArgs` (Serve passes the config's ``args`` mapping). Built where a Serve controller
+    runs, it fails closed like ``taps serve``: ConfigError, before any deployment starts, when the controller's
+    HTTP address is beyond loopback and there are no API keys (:func:`~taps_ray.serving.access.exposure_refusal`;
+    the ingress checks again when it starts, :func:`~taps_ray.serving.ingress.served_host`)."""
+    cfg = (args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})).load()
+    host = ray_compat.serve_http_host()
+    if host is not None:
+        try:
+            keys = resolve_api_keys(cfg.serve.api_keys)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if refusal := exposure_refusal(host, keys, cfg.serve.allow_unauthenticated):
+            raise ConfigError(refusal)
+    return application(cfg)
 
 
 def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None, blocking: bool = True):
@@ -152,8 +165,7 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
     log.info("serving %s at %s/v1 (strategy %s, drafters %s); Ctrl-C to stop", cfg.target.model, url,
              cfg.serve.strategy, list(cfg.serve.drafters))
     if not keys:
-        log.warning("no API keys (serve.api_keys, --api-key, TAPS_API_KEY): anyone who can reach %s may use it%s", url,
-                    "" if is_loopback(host) else " (serve.allow_unauthenticated is set: this address is beyond loopback)")
+        log.warning(open_warning(host))
     if not blocking:
         return url
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -18,6 +18,10 @@ included (504 when it runs out before decoding starts). ``/health`` answers from
 serve, asked of the replicas (at most every :data:`DRAFTERS_CACHE_S`), so a promotion
 (:mod:`taps_ray.serving.promote`) shows there as soon as it is done.
 
+Exposure fails closed here too, whatever deployed the application (``taps serve``, ``serve deploy``, a
+RayService): an ingress without API keys starts only when the address Serve's HTTP proxies bind (the Serve
+controller's, else ``serve.host``) is loopback or ``serve.allow_unauthenticated`` is set, and warns either way.
+
 Errors leak nothing: every error body carries the request id; 5xx bodies say only that something
 failed, and the details (exception, traceback) go to the server log under that id.
 """
@@ -28,6 +32,7 @@ import logging
 import math
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -185,6 +190,13 @@ class SharedFill:
             self._filling = None
 
 
+def served_host() -> str | None:
+    """The address Serve's HTTP proxies bind, asked of the Serve controller off the event loop
+    (:func:`~taps_ray.ray_compat.serve_http_host`); None without a controller (an ingress built in-process)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="taps-serve-host") as pool:
+        return pool.submit(ray_compat.serve_http_host).result()
+
+
 @serve.ingress(app)
 class Ingress:
     """Ray Serve deployment body of the HTTP API (see :mod:`taps_ray.serving.app`)."""
@@ -194,11 +206,13 @@ class Ingress:
         self.verifier = verifier
         self.cfg = ServeConfig(**serve_cfg)
         keys = access.resolve_api_keys(api_keys or ())
+        if not keys:
+            host = served_host() or self.cfg.host
+            if refusal := access.exposure_refusal(host, keys, self.cfg.allow_unauthenticated):
+                raise ValueError(refusal)
+            log.warning(access.open_warning(host))
         access.configure(access.AccessPolicy.from_config(self.cfg, keys))
         self.keyed = bool(keys)
-        if not keys:
-            log.warning("no API keys configured (serve.api_keys, --api-key, %s): the endpoint is open to anyone "
-                        "who can reach it", access.ENV_KEYS)
         self.sampling = SamplingConfig(**sampling).model_dump()
         self.model_name = model_name
         self.aliases = {model_name, *aliases}

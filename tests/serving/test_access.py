@@ -450,6 +450,68 @@ def test_taps_serve_refuses_a_public_bind_without_keys_before_starting_anything(
     assert "TAPS_API_KEY is set but holds an empty or blank key" in capsys.readouterr().err
 
 
+@pytest.fixture
+def controller_binds(monkeypatch):
+    """``bound(host)``: the Serve controller says its HTTP proxies bind ``host`` (None: no controller runs); no
+    key in the environment."""
+    from taps_ray import ray_compat
+
+    monkeypatch.delenv(access.ENV_KEYS, raising=False)
+
+    def bound(host: str | None) -> None:
+        monkeypatch.setattr(ray_compat, "serve_http_host", lambda: host)
+
+    return bound
+
+
+def _ingress(**fields):
+    cfg = ServeConfig(drafters={"a": None}, **fields)
+    return ingress.Ingress.__mro__[1](FakeVerifier(), cfg.model_dump(), {}, MODEL, [], [])
+
+
+def test_serve_deploy_refuses_a_public_address_without_keys_like_taps_serve(controller_binds, monkeypatch):
+    """The Serve config path (``build_app``, then each ingress replica) fails closed on the address the Serve
+    controller's HTTP proxies bind: beyond loopback without API keys, the builder raises before any deployment
+    starts and an ingress replica does not start; keys or ``serve.allow_unauthenticated`` let both go ahead."""
+    from ray.serve import Application
+
+    from taps_ray.config import ConfigError
+    from taps_ray.serving.app import AppArgs, build_app
+
+    args = {"experiment": {"serve": {"drafters": {"a": None}}}}
+    controller_binds("0.0.0.0")
+    with pytest.raises(ConfigError, match="refusing to serve on '0.0.0.0' without API keys"):
+        build_app(args)
+    with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0' without API keys"):
+        _ingress()
+    assert isinstance(build_app(AppArgs(**args, overrides=["serve.allow_unauthenticated=true"])), Application)
+    monkeypatch.setenv(access.ENV_KEYS, KEY)
+    assert isinstance(build_app(args), Application) and _ingress().keyed
+    monkeypatch.delenv(access.ENV_KEYS)
+    controller_binds("127.0.0.1")
+    assert isinstance(build_app(args), Application) and not _ingress().keyed
+    controller_binds(None)
+    with pytest.raises(ValueError, match="refusing to serve on '10.0.0.5'"):
+        _ingress(host="10.0.0.5")
+    assert not _ingress().keyed, "without a controller (built in-process) serve.host is the address checked"
+
+
+def test_allow_unauthenticated_serves_a_public_address_open_with_a_loud_warning(controller_binds, caplog):
+    controller_binds("0.0.0.0")
+    with caplog.at_level(logging.WARNING, logger=ingress.log.name):
+        instance = _ingress(allow_unauthenticated=True)
+    assert not instance.keyed
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [access.open_warning("0.0.0.0")]
+    assert "allow_unauthenticated is set" in warned[0] and "'0.0.0.0'" in warned[0] and "WITHOUT API keys" in warned[0]
+    caplog.clear()
+    controller_binds("127.0.0.1")
+    with caplog.at_level(logging.WARNING, logger=ingress.log.name):
+        _ingress(allow_unauthenticated=True)
+    assert [r.getMessage() for r in caplog.records] == [access.open_warning("127.0.0.1")]
+    assert "allow_unauthenticated" not in access.open_warning("127.0.0.1")
+
+
 # -- context window before prefill ----------------------------------------------------------------
 
 def test_a_prompt_longer_than_the_context_is_refused_before_prefill(monkeypatch):
