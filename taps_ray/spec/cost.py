@@ -404,7 +404,8 @@ class TreeBudget:
 
     def _deepest_drafted(self, tree: DraftTree) -> int:
         """The depth of ``tree``'s deepest drafted (not prompt-lookup) node; 0 for a lookup chain alone."""
-        return int(tree.depth[~self._is_lookup(tree)].max())
+        drafted = tree.depth[~self._is_lookup(tree)]
+        return int(drafted.max()) if drafted.numel() else 0
 
     def _on_chain(self, tree: DraftTree) -> torch.Tensor:
         """[N] bool: the nodes of the prompt-lookup chain, the drafted nodes it shares included (the ancestors
@@ -449,10 +450,7 @@ class TreeBudget:
         if n == tree.size:
             return tree
         keep = torch.cat([order.new_zeros(1), 1 + order[:n - 1]]).sort().values
-        kept = tree.select(keep.to(tree.tokens.device))
-        if "lookup_nodes" in tree.meta:
-            kept.meta["lookup_nodes"] = int(self._is_lookup(tree)[keep].sum())
-        return kept
+        return tree.select(keep.to(tree.tokens.device))
 
     def observe(self, tree: DraftTree | None, path: torch.Tensor | None, draft_s: float | None,
                 verify_s: float | None = None, rows: int = 0) -> None:

@@ -74,10 +74,14 @@ class DraftTree:
         return out
 
     def select(self, keep: torch.Tensor) -> DraftTree:
-        """The subtree on node indices ``keep`` [n] (ascending, contains 0, closed under ancestors)."""
+        """The subtree on node indices ``keep`` [n] (ascending, contains 0, closed under ancestors);
+        ``meta["lookup_nodes"]`` counts the prompt-lookup nodes kept (they stay last)."""
         keep = keep.to(torch.long)
         remap = torch.full((self.size + 1,), -1, dtype=torch.long, device=keep.device)
         remap[keep] = torch.arange(keep.numel(), device=keep.device)
+        meta = dict(self.meta)
+        if meta.get("lookup_nodes"):
+            meta["lookup_nodes"] = int((keep >= self.size - int(meta["lookup_nodes"])).sum())
         return DraftTree(
             tokens=self.tokens[keep],
             parent=remap[self.parent[keep]],
@@ -86,7 +90,7 @@ class DraftTree:
             entropy=self.entropy[keep],
             mask=self.mask[keep][:, keep],
             prefix_len=self.prefix_len,
-            meta=dict(self.meta),
+            meta=meta,
             support=self.support,
         )
 

@@ -190,6 +190,22 @@ def test_nodes_on_the_lookup_chain_count_at_every_depth():
     assert other._depths[1].gain == 2.0 and other._depths[2].gain == 3.0
 
 
+def test_a_tree_cut_to_its_lookup_chain_is_budgeted_without_drafted_nodes():
+    """A batch's node limit cuts a tree to its best-scored nodes (``DraftTree.top``); when only the chain is
+    left the tree has no drafted node, and the budget learns from it as from a lookup-only step."""
+    from taps_ray.spec.lookup import graft_chain
+
+    tree = graft_chain(_tree([-5.0, -6.0]), torch.tensor([7, 8, 9]))
+    tree.score[-3:] = torch.tensor([-0.1, -0.2, -0.3])
+    cut = tree.top(3)
+    assert cut.tokens.tolist() == [2, 7, 8] and cut.meta["lookup_nodes"] == 2
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]))
+    kept = budget.choose(cut, 0.0)
+    assert kept is not None and kept.meta["lookup_nodes"] == kept.size - 1
+    budget.observe(kept, torch.tensor([0, 1, 2]), draft_s=0.01)
+    assert not budget._depths and budget.depth() is None and budget.rates("lookup")[0] > budget.rates()[0]
+
+
 def test_strategies_draft_no_deeper_than_the_step_asks():
     from taps_ray.spec.protocol import DecodeState
 
