@@ -497,7 +497,8 @@ class ServeConfig(Strict):
         "keep finished requests as training rows (stores prompts and outputs; off by default)"))
     show_acceptance: bool | None = Field(default=None, description=(
         "per-step acceptance figures (taps.tau, accept_lengths, step counts, routes) in responses; None: shown "
-        "unless capture is on (drafters adapted on captured traffic would tell one client about others')"))
+        "unless capture is on or a `taps adapt` version drafted the request (drafters adapted on captured "
+        "traffic would tell one client about others')"))
 
     @field_validator("api_keys")
     @classmethod
@@ -506,10 +507,12 @@ class ServeConfig(Strict):
             raise ValueError("serve.api_keys: each key must be non-empty printable ASCII without spaces")
         return value
 
-    @property
-    def acceptance_shown(self) -> bool:
-        """Whether responses carry the per-step acceptance figures (``show_acceptance``, resolved)."""
-        return not self.capture.enabled if self.show_acceptance is None else self.show_acceptance
+    def shows_acceptance(self, adapted: bool) -> bool:
+        """Whether a response carries the per-step acceptance figures (``show_acceptance``, resolved);
+        ``adapted``: a ``taps adapt`` version drafted the request."""
+        if self.show_acceptance is not None:
+            return self.show_acceptance
+        return not (self.capture.enabled or adapted)
 
     @property
     def draft_deadline_cap_s(self) -> float:

@@ -104,7 +104,7 @@ class DraftSessions:
         a draft id.
 
         Returns ``{"tree": DraftTree, "held": pairs held, "compute_s": seconds spent adding the pairs and
-        drafting}``; ``{"need": held}`` when the session holds
+        drafting, "adapted": the session's drafter is a ``taps adapt`` version (:func:`drafter_version`)}``; ``{"need": held}`` when the session holds
         fewer than ``offset`` pairs (resend from ``held``); ``{"superseded": True, "held": held}``
         when a newer call of the same request is already waiting (its pairs are kept, no tree is
         drafted for a step the verifier has given up on).
@@ -145,7 +145,8 @@ class DraftSessions:
             except Exception:
                 self.end(rid)
                 raise
-            return {"tree": session.last_tree, "held": session.held, "compute_s": time.perf_counter() - start}
+            return {"tree": session.last_tree, "held": session.held, "compute_s": time.perf_counter() - start,
+                    "adapted": drafter_version(session.state.drafter) > 0}
 
     def end(self, rid: str) -> bool:
         with self._lock:

@@ -167,7 +167,7 @@ class RemoteStrategy:
 
     def propose(self, state: DecodeState) -> DraftTree | None:
         notes = state.notes
-        notes.update(answered=[], skipped={}, compute_s=0.0)
+        notes.update(answered=[], skipped={}, compute_s=0.0, adapted=False)
         if not self.names:
             return None
         step = state.step
@@ -294,6 +294,7 @@ class RemoteStrategy:
                     trees[name] = answer["tree"]
                     notes["answered"].append(name)
                     notes["compute_s"] = max(notes["compute_s"], answer.get("compute_s", 0.0))
+                    notes["adapted"] = notes["adapted"] or bool(answer.get("adapted"))
                 else:
                     self._skip(notes, step, name, "stale")
             pending = resend

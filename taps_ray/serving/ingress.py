@@ -395,8 +395,8 @@ class Ingress:
 
     def _client_taps(self, taps: dict) -> dict:
         """The response's ``taps`` block as the client sees it: without the per-step acceptance figures
-        unless :attr:`~taps_ray.config.ServeConfig.acceptance_shown` (metrics always count them)."""
-        return taps if self.cfg.acceptance_shown else withhold_acceptance(taps)
+        unless :meth:`~taps_ray.config.ServeConfig.shows_acceptance` (metrics always count them)."""
+        return taps if self.cfg.shows_acceptance(bool(taps.get("adapted"))) else withhold_acceptance(taps)
 
     def _busy(self, request: DecodeRequest, why: str,
               told: str = "the server is at capacity (every decoding slot is busy and its queue is full)") -> JSONResponse:

@@ -38,8 +38,8 @@ def summarize(plan: Plan, records: list[StepRecord], skips: dict, prefill_s: flo
     """The response's ``taps`` block (and what the metrics count) from the loop's step ``records``: the
     accepted and appended counts (the loop cut the last step's at a stop sequence), the time spent waiting
     for drafts (``draft_s``: calls, transfer and drafting; ``drafter_compute_s`` of it was the drafters'
-    own work, from the strategy's step notes) and verifying (``verify_s``), the node limit's cuts and the
-    routes taken; ``skips``: the strategy's skip counts per drafter and reason."""
+    own work, from the strategy's step notes) and verifying (``verify_s``), the node limit's cuts, the
+    routes taken and ``adapted`` (a ``taps adapt`` version of a drafter drafted a step); ``skips``: the strategy's skip counts per drafter and reason."""
     accepted, appended = [r.accepted for r in records], [r.appended for r in records]
     sizes = [r.tree_size for r in records]
     tau = stats.acceptance_length(sum(appended), len(appended))
@@ -60,6 +60,7 @@ def summarize(plan: Plan, records: list[StepRecord], skips: dict, prefill_s: flo
         "drafter_compute_s": round(sum(r.meta.get("compute_s", 0.0) for r in records), 4),
         "draft_s": round(sum(r.draft_s for r in records), 4),
         "verify_s": round(sum(r.verify_s for r in records), 4),
+        "adapted": any(r.meta.get("adapted", False) for r in records),
     }
     if plan.kind == "routed":
         out["route_per_step"] = routes

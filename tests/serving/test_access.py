@@ -32,6 +32,7 @@ class FakeVerifier:
 
     def __init__(self):
         self.requests: list[DecodeRequest] = []
+        self.taps = TAPS
 
     def options(self, **kwargs):
         return self
@@ -49,7 +50,7 @@ class FakeVerifier:
     def _generate(self, request: DecodeRequest):
         self.requests.append(request)
         events = [{"type": "start"}, {"type": "delta", "text": "ok"},
-                  {"type": "done", "delta": "", "text": "ok", "finish_reason": "stop", "taps": TAPS,
+                  {"type": "done", "delta": "", "text": "ok", "finish_reason": "stop", "taps": self.taps,
                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}]
 
         class Stream:
@@ -297,9 +298,10 @@ def test_a_token_id_prompt_counts_against_a_token_limit_at_the_ingress(serve_app
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on(serve_app, stream):
+def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on_or_a_drafter_is_adapted(serve_app, stream):
     """Drafters adapted on captured traffic would tell one client, through tau and accept lengths, what they
-    learned from others': withheld by default with capture on, shown when the operator turns them on."""
+    learned from others': withheld by default with capture on or when an adapted version drafted the request
+    (capture off, the version promoted into this server), shown when the operator turns them on."""
     def taps_of(call) -> dict:
         status, _, data = call("POST", CHAT, chat(stream=stream))
         assert status == 200, data
@@ -313,6 +315,12 @@ def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on(serve
     assert withheld == {"strategy": "single", "skipped": {}, "acceptance": "withheld"}
     assert taps_of(serve_app(capture={"enabled": True}, show_acceptance=True))["tau"] == 1.0
     assert "tau" not in taps_of(serve_app(show_acceptance=False))
+    adapted = serve_app()
+    adapted.verifier.taps = {**TAPS, "adapted": True}
+    assert taps_of(adapted) == {"strategy": "single", "skipped": {}, "adapted": True, "acceptance": "withheld"}
+    adapted = serve_app(show_acceptance=True)
+    adapted.verifier.taps = {**TAPS, "adapted": True}
+    assert taps_of(adapted)["accept_lengths"] == [1]
 
 
 # -- body size ------------------------------------------------------------------------------------

@@ -96,6 +96,28 @@ class RecordingRemote(RemoteStrategy):
         return tree
 
 
+def test_a_request_an_adapted_version_drafted_is_marked_adapted(bigram, drafters):
+    """A request drafted by a ``taps adapt`` version (``version`` in its config) is marked ``adapted`` in its
+    ``taps`` block (which withholds its acceptance figures by default); one the configured drafter drafted is
+    not."""
+    plan = resolve_plan("single", ["even"], serve_cfg(["even"]))
+    clients = {"even": LocalClient([DraftSessions(bigram, drafters["even"], TREE)])}
+    prompt = random_prompt(bigram, 6, 4)
+
+    def adapted(rid: str) -> bool:
+        strategy = RemoteStrategy(rid, plan, clients, 10.0, TREE.total_tokens)
+        result = generate(bigram, prompt, strategy, max_new_tokens=NEW)
+        strategy.close()
+        assert result.steps and all(r.tree_size > 1 for r in result.steps)
+        return summarize(plan, result.steps, {}, None, 1.0)["adapted"]
+
+    assert not adapted("configured")
+    version = copy.deepcopy(drafters["even"])
+    version.metadata["version"] = 3
+    clients["even"].replicas[0].swap(version)
+    assert adapted("after-the-swap")
+
+
 def fresh_tree(target, drafter, tokens: torch.Tensor):
     """The tree a new session drafts from the prefix ``tokens`` (root last), features teacher-forced."""
     features = target.hidden_states(tokens[None, :-1])[0]
