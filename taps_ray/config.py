@@ -136,6 +136,9 @@ class FeaturesConfig(Strict):
     batch_tokens: int = Field(default=4096, ge=64, description=(
         "tokens per target forward batch (rows per batch: batch_tokens // max_len)"))
     rows_per_shard: int = Field(default=256, ge=1, description="rows per Parquet shard")
+    layers: Literal["auto", "last", "eagle3"] = Field(default="auto", description=(
+        "target hidden states stored per token: last (the last one), eagle3 (EAGLE-3's three layers and the last; "
+        "4x the disk), auto (eagle3 for the datasets an eagle3 variant's mixture reads, else last)"))
     num_actors: int | None = Field(default=None, ge=1, description=(
         "Ray Data target actors (None: one per GPU, or one on CPU)"))
     regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig, description=(
@@ -225,8 +228,9 @@ class ObjectiveConfig(Strict):
     """Drafter training objective (:mod:`taps_ray.train.losses`); HASS reference recipe: stage 1
     ``topk_weight`` 0, stage 2 ``topk_weight`` 1."""
 
-    algorithm: Literal["eagle2", "hass"] = Field(default="eagle2", description=(
-        "eagle2 (one teacher-forced pass) or hass (harmonized multi-pass distillation)"))
+    algorithm: Literal["eagle2", "hass", "eagle3"] = Field(default="eagle2", description=(
+        "eagle2 (one teacher-forced pass), hass (harmonized multi-pass distillation) or eagle3 (the EAGLE-3 "
+        "drafter on three target layers, trained with training-time test)"))
     feature_weight: float = Field(default=1.0, ge=0, description="weight of the SmoothL1 feature regression")
     ce_weight: float = Field(default=0.1, ge=0, description="weight of the soft cross-entropy to the target")
     noise: Literal["uniform", "gaussian", "none"] = Field(default="uniform", description=(
@@ -239,10 +243,12 @@ class ObjectiveConfig(Strict):
         "hass only: passes n, each feeding the drafter its own earlier features"))
     hass_detach: bool = Field(default=True, description=(
         "hass only: stop the gradient through earlier passes' features"))
+    ttt_steps: int = Field(default=3, ge=1, le=16, description=(
+        "eagle3 only: training-time test unroll k, each step feeding the drafter its own outputs (a loss at each)"))
 
     @property
     def passes(self) -> int:
-        return self.hass_passes if self.algorithm == "hass" else 1
+        return {"hass": self.hass_passes, "eagle3": self.ttt_steps}.get(self.algorithm, 1)
 
 
 class Stage2Config(Strict):
@@ -342,7 +348,8 @@ class VariantConfig(TrainingOverrides):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=(
         "variant name: its folder runs/<name>/drafters/<variant>"))
-    algorithm: Literal["eagle2", "hass"] = Field(default="eagle2", description="training objective's algorithm")
+    algorithm: Literal["eagle2", "hass", "eagle3"] = Field(default="eagle2", description=(
+        "training objective's algorithm (eagle3 trains an EAGLE-3 drafter)"))
     mixture: str = Field(description="name of the mixture (a key of mixtures) it trains on")
 
     def _owner(self) -> str:

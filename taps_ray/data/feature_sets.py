@@ -39,8 +39,39 @@ class FeatureCacheError(RuntimeError):
     """A feature set is missing, incomplete, or was computed for another target."""
 
 
-def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regeneration: RegenerationConfig) -> str:
-    """Content key of a feature set: target identity, source spec, max_len, regeneration settings.
+LAST, EAGLE3 = "last", "eagle3"
+
+
+def feature_kind(cfg: ExperimentConfig, name: str) -> str:
+    """Which target hidden states dataset ``name``'s feature set stores: ``eagle3`` (the three EAGLE-3 layers,
+    then the last) when ``data.features.layers`` says so, or when it is ``auto`` and a variant of
+    ``algorithm: eagle3`` trains on a mixture that reads the dataset; else ``last`` (the last hidden state)."""
+    chosen = cfg.data.features.layers
+    if chosen != "auto":
+        return chosen
+    for variant in cfg.variants:
+        mixture = cfg.mixtures.get(variant.mixture)
+        if variant.algorithm == EAGLE3 and mixture is not None and name in (mixture.ratio or mixture.counts or {}):
+            return EAGLE3
+    return LAST
+
+
+def stored_layers(kind: str, layers: int) -> tuple[int, ...]:
+    """The HF ``hidden_states`` indices a feature set of ``kind`` stores for a target of ``layers`` layers, in
+    row order: the last hidden state (index ``layers``) always comes last, so its H columns end every row."""
+    if kind == LAST:
+        return (layers,)
+    if kind == EAGLE3:
+        from taps_ray.models.eagle3 import aux_layers
+
+        return tuple(i + 1 for i in aux_layers(layers)) + (layers,)
+    raise ValueError(f"feature layers {kind!r} is not one of {LAST}, {EAGLE3}")
+
+
+def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regeneration: RegenerationConfig,
+                kind: str = LAST) -> str:
+    """Content key of a feature set: target identity, source spec, max_len, regeneration settings, and the
+    stored hidden states when not the last one alone (:func:`feature_kind`; sets of the last one keep their key).
 
     ``regeneration.batch_size`` only sets throughput, so it is keyed as its default value: changing
     it reuses the feature set (and keys of sets prepared before this rule stay the same). ``$TAPS_DATA_DIR``
@@ -54,6 +85,7 @@ def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regener
         "data_dir": os.environ.get("TAPS_DATA_DIR", "") if any(map(reads_data_dir, dataset.alternatives)) else "",
         "max_len": max_len,
         "regeneration": keyed_regeneration.model_dump(),
+        **({} if kind == LAST else {"layers": kind}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -78,6 +110,12 @@ class FeatureSet:
     def hidden_size(self) -> int:
         return int(self.manifest["target"]["hidden_size"])
 
+    @property
+    def layers(self) -> list[int]:
+        """The target hidden states each row stores (HF ``hidden_states`` indices; [] when not recorded: the
+        last one alone)."""
+        return list(self.manifest.get("layers", []))
+
     def prompt_hashes(self) -> list[str] | None:
         """Hashes of the rows' first user turns (``prompts.json``), or None when not recorded."""
         return read_feature_prompts(self.path)
@@ -87,7 +125,7 @@ class FeatureSet:
 
     def read_rows(self, row_ids: np.ndarray | list[int] | None = None) -> list[dict]:
         """Decode rows (all, or those with ``row_id`` in ``row_ids``) into tensors:
-        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H]."""
+        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H] (the last hidden state)."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
@@ -97,9 +135,18 @@ class FeatureSet:
         return [decode_row(r, self.hidden_size) for r in table.to_pylist()]
 
 
-def decode_row(row: dict, hidden_size: int) -> dict:
+def decode_row(row: dict, hidden_size: int, layers: int = 1) -> dict:
+    """A Parquet row as tensors; ``hidden`` BFloat16[T, layers * H]: the row's last ``layers`` stored hidden
+    states (``layers`` 1: the last hidden state; 4: an EAGLE-3 set's three layers and the last). ValueError when
+    the row stores fewer."""
     length = int(row["length"])
-    hidden = torch.frombuffer(bytearray(row["hidden"]), dtype=torch.bfloat16).view(length, hidden_size)
+    hidden = torch.frombuffer(bytearray(row["hidden"]), dtype=torch.bfloat16).view(length, -1)
+    stored = hidden.shape[1] // hidden_size
+    if stored < layers or hidden.shape[1] % hidden_size:
+        raise ValueError(f"feature row {row.get('row_id')} stores {stored} hidden state(s) of size {hidden_size}, "
+                         f"{layers} needed: an eagle3 drafter needs features prepared with the EAGLE-3 layers "
+                         f"(data.features.layers: eagle3, or auto with an eagle3 variant reading the dataset)")
+    hidden = hidden[:, hidden.shape[1] - layers * hidden_size:]
     return {
         "row_id": int(row["row_id"]),
         "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
@@ -132,7 +179,8 @@ def feature_set_path(cfg: ExperimentConfig, name: str, fingerprint: dict) -> Pat
     ds = cfg.data.datasets[name]
     if ds.feature_folder is not None:
         return Path(ds.feature_folder).expanduser()
-    key = feature_key(fingerprint, ds, cfg.data.features.max_len, cfg.data.features.regeneration)
+    key = feature_key(fingerprint, ds, cfg.data.features.max_len, cfg.data.features.regeneration,
+                      feature_kind(cfg, name))
     return features_root() / f"{name}-{key}"
 
 

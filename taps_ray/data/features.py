@@ -24,10 +24,13 @@ from taps_ray.config import ExperimentConfig, RegenerationConfig, SamplingConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, conversation_hash, write_feature_prompts
 from taps_ray.data.feature_sets import (
     FORMAT_VERSION,
+    LAST,
     MANIFEST,
     FeatureCacheError,
+    feature_kind,
     feature_set_path,
     open_feature_set,
+    stored_layers,
 )
 from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import folder_lock, write_json
@@ -105,7 +108,12 @@ class _TargetActor:
 
 
 class FeatureActor(_TargetActor):
-    """Batch of tokenized rows -> the same rows plus ``hidden`` bf16 bytes (teacher forced)."""
+    """Batch of tokenized rows -> the same rows plus ``hidden`` bf16 bytes (teacher forced): the hidden states
+    of ``kind`` (:func:`~taps_ray.data.feature_sets.stored_layers`), [T, layers * H] per row."""
+
+    def __init__(self, target_cfg: dict, label: str = "", total_rows: int = 0, kind: str = LAST):
+        super().__init__(target_cfg, label, total_rows)
+        self.layers = stored_layers(kind, self.target.final_layer)
 
     def __call__(self, batch):
         """``batch``: pyarrow table with row_id, input_ids, loss_mask -> the same plus length, hidden."""
@@ -118,7 +126,7 @@ class FeatureActor(_TargetActor):
         for i, row in enumerate(id_lists):
             ids[i, : lengths[i]] = torch.tensor(row)
             attn[i, : lengths[i]] = 1
-        hidden = self.target.hidden_states(ids, attn).to(torch.bfloat16).cpu()
+        hidden = self.target.hidden_states(ids, attn, self.layers).to(torch.bfloat16).cpu()
         blobs = [hidden[i, : lengths[i]].contiguous().view(torch.int16).numpy().tobytes() for i in range(len(lengths))]
         self._progress(len(lengths), sum(lengths))
         return pa.table({
@@ -280,7 +288,8 @@ def _regenerate(cfg: ExperimentConfig, conversations: list[list[dict]], target, 
             for prompt, key in zip(prompts, keys, strict=True)]
 
 
-def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, label: str = "features") -> None:
+def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, label: str = "features",
+                    kind: str = LAST) -> None:
     import ray
 
     quiet_ray_data()
@@ -296,7 +305,8 @@ def _write_features(cfg: ExperimentConfig, rows: list[dict], out_dir: Path, labe
     ds = ray.data.from_arrow(table).repartition(max(1, len(rows) // batch_rows))
     ds = ds.map_batches(
         FeatureActor,
-        fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "label": f"{label}: features", "total_rows": len(rows)},
+        fn_constructor_kwargs={"target_cfg": cfg.target.model_dump(), "label": f"{label}: features",
+                               "total_rows": len(rows), "kind": kind},
         batch_size=batch_rows,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=_num_actors(cfg)),
@@ -355,7 +365,7 @@ def _prepare_dataset(cfg: ExperimentConfig, name: str, target, final: Path, fing
         log.info("%s: %d of %d conversations truncated to max_len=%d", name, truncated, len(conversations), max_len)
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    _write_features(cfg, rows, partial, name)
+    _write_features(cfg, rows, partial, name, feature_kind(cfg, name))
     seconds = time.perf_counter() - start
     tokens = int(sum(len(r["input_ids"]) for r in rows))
     manifest = {
@@ -364,6 +374,7 @@ def _prepare_dataset(cfg: ExperimentConfig, name: str, target, final: Path, fing
         "megabytes": round(sum(p.stat().st_size for p in partial.glob("*.parquet")) / 2**20, 2),
         "seconds": round(seconds, 2), "skipped": skipped, "truncated": truncated, "regenerated": regenerated,
         "max_len": max_len, "target": fingerprint, "format": FORMAT_VERSION,
+        "layers": list(stored_layers(feature_kind(cfg, name), target.final_layer)),
         "computed_by": {k: target.describe().get(k) for k in ("device", "dtype", "engine", "weights")},
         "config": cfg.data.datasets[name].model_dump(),
     }

@@ -37,6 +37,8 @@ from taps_ray.models.weight_storage import (
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "TapsDraftHead"
+EAGLE3_ARCHITECTURE = "TapsEagle3Head"
+ARCHITECTURES = (ARCHITECTURE, EAGLE3_ARCHITECTURE)
 
 
 class DrafterSaveError(ValueError):
@@ -45,9 +47,9 @@ class DrafterSaveError(ValueError):
 
 def is_drafter_checkpoint(folder: str | Path) -> bool:
     """True when ``folder`` holds a checkpoint written by :meth:`DraftHead.save` (its ``config.json``
-    names :data:`ARCHITECTURE`)."""
+    names one of :data:`ARCHITECTURES`)."""
     try:
-        return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("architecture") == ARCHITECTURE
+        return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("architecture") in ARCHITECTURES
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -121,24 +123,38 @@ def causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(1, 1, n, past + n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def target_layers(target_config) -> int:
+    """The target's number of decoder layers L (its text config's ``num_hidden_layers``)."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return int(text.num_hidden_layers)
+
+
 class DraftHead(nn.Module):
     """EAGLE-2 draft head sized from ``target_config``.
 
     ``draft_to_target`` (optional LongTensor [V_draft]) restricts drafting to a reduced vocabulary:
     draft logits are the LM-head rows of those target ids, which must be distinct and in
     ``[0, vocab_size)`` (ValueError otherwise, see :func:`check_draft_vocabulary`).
+
+    Feature contract shared with :class:`~taps_ray.models.eagle3.Eagle3Head`: the drafter reads the target's
+    hidden states :attr:`feature_layers` (HF ``hidden_states`` indices: 0 the embeddings, i the output of
+    decoder layer i - 1, L the last one after the final norm) concatenated [.., len * H]; :meth:`fuse` maps
+    them to the H-wide feature :meth:`forward` takes (its own outputs are fed back as they are);
+    :meth:`readout` maps an output to the LM head's input.
     """
+
+    architecture = ARCHITECTURE
+    algorithm = "eagle2"
+    architecture_fields: tuple[str, ...] = ()
 
     def __init__(self, target_config, draft_to_target: torch.Tensor | None = None, seed: int = 0,
                  metadata: dict | None = None):
         super().__init__()
         self.config = drafter_llama_config(target_config)
-        hidden = self.config.hidden_size
+        self.target_layers = target_layers(target_config)
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
-        self.layer.input_layernorm = nn.Identity()
+        self._build()
         self._init_weights()
         torch.random.set_rng_state(generator_state)
         self.rotary = LlamaRotaryEmbedding(self.config)
@@ -147,6 +163,32 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.metadata: dict = dict(metadata or {})
         self.seed = seed
+
+    def _build(self) -> None:
+        """The trainable modules (run under the drafter's seed)."""
+        hidden = self.config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states this drafter reads: the last one, after the final norm."""
+        return (self.target_layers,)
+
+    @property
+    def row_layers(self) -> int:
+        """Hidden states a training row holds for this drafter: its feature layers, then the last hidden state
+        (the teacher's) unless it is one of them."""
+        return len(self.feature_layers) + (self.target_layers not in self.feature_layers)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The H-wide input feature [.., H] from target features [.., len(feature_layers) * H] (here: as is)."""
+        return features
+
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's input [.., H] from an output f̂ [.., H] (here: f̂ itself)."""
+        return hidden
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()``/``.half()``/... cast parameters; the rotary frequencies stay float32 (rounding them
@@ -184,7 +226,8 @@ class DraftHead(nn.Module):
     ) -> torch.Tensor:
         """Predicted next features f̂ [B, n, H].
 
-        ``token_embeds`` [B, n, H] embeds token_{i+1}; ``features`` [B, n, H] are f_i;
+        ``token_embeds`` [B, n, H] embeds token_{i+1}; ``features`` [B, n, H] are f_i (fused by :meth:`fuse`: target
+        features or the drafter's own outputs);
         ``positions`` [B, n]; ``attention_mask`` additive [B, 1, n, P + n] (causal over the cache
         when None). ``cache`` is extended in place by n entries.
         """
@@ -203,7 +246,12 @@ class DraftHead(nn.Module):
         )
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, n, V_draft] from f̂ [B, n, H] through the target's LM head."""
+        """Draft logits [B, n, V_draft] from f̂ [B, n, H] (:meth:`readout`) through the target's LM head."""
+        return self.vocab_logits(self.readout(hidden), lm_head_weight)
+
+    def vocab_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits [.., V_draft] float32 of LM-head inputs ``hidden`` [.., H] over the draft vocabulary (the
+        target's own distribution when ``hidden`` is the target's last hidden state)."""
         weight = lm_head_weight if self.draft_to_target is None else lm_head_weight[self.draft_to_target]
         return torch.nn.functional.linear(hidden, weight.to(hidden.dtype)).float()
 
@@ -225,7 +273,7 @@ class DraftHead(nn.Module):
         if directory.exists() and not is_drafter_checkpoint(directory) and (
                 not directory.is_dir() or any(directory.iterdir())):
             raise DrafterSaveError(f"{directory} exists and is not a drafter checkpoint (no {CONFIG_NAME} with "
-                                   f"architecture {ARCHITECTURE!r}); refusing to replace it: choose another folder")
+                                   f"architecture in {ARCHITECTURES}); refusing to replace it: choose another folder")
         partial = directory.with_name(f".{directory.name}.partial.{os.getpid()}.{secrets.token_hex(4)}")
         partial.mkdir(parents=True)
         try:
@@ -245,7 +293,8 @@ class DraftHead(nn.Module):
             tensors["draft_to_target"] = self.draft_to_target.cpu()
         save_file(tensors, str(partial / WEIGHTS_NAME))
         meta = {
-            "architecture": ARCHITECTURE,
+            "architecture": self.architecture,
+            **self.architecture_config(),
             "drafter": self.config.to_dict(),
             "draft_vocab_size": self.draft_vocab_size,
             "target": fingerprint.to_dict(),
@@ -256,12 +305,23 @@ class DraftHead(nn.Module):
         }
         (partial / CONFIG_NAME).write_text(json.dumps(meta, indent=1, default=str))
 
+    def architecture_config(self) -> dict:
+        """Architecture fields ``config.json`` records beside ``architecture`` (none for EAGLE-2)."""
+        return {}
+
+    @classmethod
+    def from_meta(cls, target_config, meta: dict, draft_to_target: torch.Tensor | None, metadata: dict) -> DraftHead:
+        """A fresh head of this architecture for a checkpoint's ``config.json`` ``meta``."""
+        return cls(target_config, draft_to_target=draft_to_target, seed=meta.get("seed", 0), metadata=metadata)
+
     @classmethod
     def load(cls, directory: str | Path, target_config, fingerprint: TargetFingerprint,
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
         """Load a checkpoint saved by :meth:`save` or an EAGLE-1/EAGLE-2 folder (see
         :mod:`taps_ray.models.eagle_format`), a folder or ``release:NAME``; fails if it was trained for
-        another target or its ``draft_to_target`` is not a one-to-one map into the target vocabulary."""
+        another target or its ``draft_to_target`` is not a one-to-one map into the target vocabulary.
+        ``DraftHead.load`` returns the architecture the checkpoint names (:func:`head_class`); a subclass's
+        ``load`` refuses a checkpoint of another architecture."""
         try:
             directory = resolve_drafter_dir(directory)
         except ReleaseDrafterError as err:
@@ -272,15 +332,19 @@ class DraftHead(nn.Module):
             meta = json.loads((directory / CONFIG_NAME).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {CONFIG_NAME}: {err}") from err
-        if meta.get("architecture") != ARCHITECTURE:
+        if meta.get("architecture") not in ARCHITECTURES:
             from taps_ray.models.eagle_format import is_eagle_config, load_eagle
 
-            if is_eagle_config(meta):
+            if is_eagle_config(meta) and cls.architecture == ARCHITECTURE:
                 return load_eagle(directory, meta, target_config, fingerprint, device, dtype)
             raise DrafterLoadError(
-                f"drafter {str(directory)!r}: architecture {meta.get('architecture')!r}, expected {ARCHITECTURE!r} "
-                f"or an EAGLE-1/EAGLE-2 checkpoint"
+                f"drafter {str(directory)!r}: architecture {meta.get('architecture')!r}, expected one of "
+                f"{ARCHITECTURES} or an EAGLE-1/EAGLE-2 checkpoint"
             )
+        found = head_class(meta["architecture"])
+        if cls is not DraftHead and found is not cls:
+            raise DrafterLoadError(f"drafter {str(directory)!r} is a {meta['architecture']} checkpoint "
+                                   f"({found.algorithm}); it cannot be loaded as a {cls.architecture} ({cls.algorithm})")
         problem = fingerprint.mismatch(meta.get("target", {}))
         if problem:
             raise DrafterLoadError(f"drafter {str(directory)!r} was trained for another target: {problem}")
@@ -293,15 +357,18 @@ class DraftHead(nn.Module):
         except WeightStorageError as err:
             raise DrafterLoadError(f"drafter {str(directory)!r}: {err}") from None
         d2t = tensors.pop("draft_to_target", None)
-        keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed", "weight_storage"}
+        keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed", "weight_storage",
+                *found.architecture_fields}
         if d2t is not None:
             try:
                 d2t = check_draft_vocabulary(d2t, fingerprint.vocab_size)
             except ValueError as err:
                 raise DrafterLoadError(f"drafter {str(directory)!r}: bad draft vocabulary in {WEIGHTS_NAME}: "
                                        f"{err}") from None
-        head = cls(target_config, draft_to_target=d2t, seed=meta.get("seed", 0),
-                   metadata={k: v for k, v in meta.items() if k not in keep})
+        try:
+            head = found.from_meta(target_config, meta, d2t, {k: v for k, v in meta.items() if k not in keep})
+        except ValueError as err:
+            raise DrafterLoadError(f"drafter {str(directory)!r}: {err}") from None
         missing, unexpected = head.load_state_dict(tensors, strict=False)
         missing = [k for k in missing if not k.startswith("rotary.")]
         if missing or unexpected:
@@ -310,6 +377,22 @@ class DraftHead(nn.Module):
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
             )
         return head.to(device=device, dtype=dtype).eval()
+
+
+def head_class(architecture: str) -> type[DraftHead]:
+    """The drafter class a checkpoint's ``architecture`` names (one of :data:`ARCHITECTURES`)."""
+    if architecture == EAGLE3_ARCHITECTURE:
+        from taps_ray.models.eagle3 import Eagle3Head
+
+        return Eagle3Head
+    if architecture == ARCHITECTURE:
+        return DraftHead
+    raise ValueError(f"unknown drafter architecture {architecture!r}; known: {', '.join(ARCHITECTURES)}")
+
+
+def drafter_class(algorithm: str) -> type[DraftHead]:
+    """The drafter class a training ``algorithm`` trains: eagle3 -> Eagle3Head, eagle2 and hass -> DraftHead."""
+    return head_class(EAGLE3_ARCHITECTURE if algorithm == "eagle3" else ARCHITECTURE)
 
 
 def read_drafter_meta(directory: str | Path) -> dict:
@@ -322,6 +405,11 @@ def average_drafters(heads: list[DraftHead], weights: list[float]) -> DraftHead:
         raise ValueError(f"need one weight per drafter, got {len(heads)} drafters and {len(weights)} weights")
     if any(w < 0 for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
         raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
+    for i, h in enumerate(heads[1:], start=1):
+        if type(h) is not type(heads[0]) or h.feature_layers != heads[0].feature_layers:
+            raise ValueError(f"cannot average drafter 0 ({heads[0].architecture}, {heads[0].algorithm}, target layers "
+                             f"{list(heads[0].feature_layers)}) with drafter {i} ({h.architecture}, {h.algorithm}, "
+                             f"target layers {list(h.feature_layers)}): averaging needs one architecture")
     states = [h.trainable_state() for h in heads]
     shapes = {k: v.shape for k, v in states[0].items()}
     for i, state in enumerate(states[1:], start=1):

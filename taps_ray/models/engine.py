@@ -314,6 +314,15 @@ class StaticEngine:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Last hidden states [T, H] (after the final norm) of ``tokens`` [T] at ``positions`` [T], the
         segments' tokens one after another; each segment's cache is extended by its n entries."""
+        return self.forward_layers(tokens, positions, segments, ())[0]
+
+    @torch.inference_mode()
+    def forward_layers(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                       layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`'s last hidden states [T, H] and the hidden states ``layers`` (HF ``hidden_states``
+        indices: 0 the embeddings, i decoder layer i - 1's output, L the final norm's) concatenated
+        [T, len(layers) * H] (None when ``layers`` is empty)."""
+        taps: dict[int, torch.Tensor] = {}
         for seg in segments:
             seg.cache.reserve(seg.n)
         x = self.base.embed_tokens(tokens)[None]
@@ -321,6 +330,8 @@ class StaticEngine:
         cos, sin = cos[0, :, None], sin[0, :, None]
         x = x[0]
         total = x.shape[0]
+        if 0 in layers:
+            taps[0] = x
         rows = self._rows(total)
         if rows > total:  # products run on rows they round alike on (fp16); the padding rows attend nowhere
             x = F.pad(x, (0, 0, 0, rows - total))
@@ -347,10 +358,14 @@ class StaticEngine:
             x = x + layer.o_proj(out)
             gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+            if index + 1 in layers:
+                taps[index + 1] = x[:total]
         x = x[:total]
         for seg in segments:
             seg.cache.length += seg.n
-        return self._final_norm(x)
+        final = self._final_norm(x)
+        taps[len(self.layers)] = final
+        return final, (torch.cat([taps[i] for i in layers], dim=-1) if layers else None)
 
     def _attend(self, index: int, layer: _Layer, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 masks: dict) -> torch.Tensor:

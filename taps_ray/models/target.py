@@ -73,11 +73,36 @@ class TargetFingerprint:
 
 @dataclass
 class TargetOutput:
-    """``logits`` [B, n, V] float32, ``hidden`` [B, n, H] (last hidden state after final norm)."""
+    """``logits`` [B, n, V] float32, ``hidden`` [B, n, H] (last hidden state after final norm), ``features``
+    [B, n, F]: the hidden states a forward's ``layers`` asked for, concatenated (None: ``hidden`` is them)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     cache: DynamicCache | None
+    features: torch.Tensor | None = None
+
+    @property
+    def drafter_features(self) -> torch.Tensor:
+        """What the drafters of the forward's ``layers`` read: ``features``, or ``hidden`` when None."""
+        return self.hidden if self.features is None else self.features
+
+
+def union_layers(groups) -> tuple[int, ...] | None:
+    """The feature layers [HF ``hidden_states`` indices] of several drafters in one tuple, each once, in order of
+    first appearance; None when every group is None (the last hidden state only)."""
+    seen = [layer for group in groups if group is not None for layer in group]
+    return tuple(dict.fromkeys(seen)) if seen else None
+
+
+def layer_columns(have: tuple[int, ...], want: tuple[int, ...], hidden_size: int) -> torch.Tensor:
+    """Column indices [len(want) * H] that pick hidden states ``want`` out of features laid out as ``have``
+    ([.., len(have) * H]); ValueError naming a wanted layer that ``have`` lacks."""
+    missing = [layer for layer in want if layer not in have]
+    if missing:
+        raise ValueError(f"target features hold hidden states {list(have)}; a drafter needs {list(want)} "
+                         f"(missing {missing})")
+    starts = torch.tensor([have.index(layer) * hidden_size for layer in want])
+    return (starts[:, None] + torch.arange(hidden_size)).reshape(-1)
 
 
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -383,6 +408,21 @@ class TargetModel:
             return sliding
         return {"full_attention": mask, "sliding_attention": sliding}
 
+    @property
+    def final_layer(self) -> int:
+        """The HF ``hidden_states`` index of the last hidden state after the final norm (the layer count L)."""
+        return int(self.config.num_hidden_layers)
+
+    def feature_layers(self, layers: tuple[int, ...] | None) -> tuple[int, ...]:
+        """``layers`` checked against the target (HF ``hidden_states`` indices in [0, L]); () for None or for
+        the last hidden state alone, which every forward returns anyway."""
+        if layers is None or tuple(layers) == (self.final_layer,):
+            return ()
+        bad = [layer for layer in layers if not 0 <= layer <= self.final_layer]
+        if bad:
+            raise ValueError(f"feature layers {bad} are outside [0, {self.final_layer}] of target {self.name!r}")
+        return tuple(layers)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -390,59 +430,86 @@ class TargetModel:
         positions: torch.Tensor,
         cache: DynamicCache,
         attention_mask_4d: torch.Tensor | None = None,
+        layers: tuple[int, ...] | None = None,
     ) -> TargetOutput:
-        hidden = self.forward_hidden(tokens, positions, cache, attention_mask_4d)
-        return TargetOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
+        """Logits and last hidden states of ``tokens`` [B, n] at ``positions`` [B, n] after ``cache`` (extended by
+        n); ``layers`` (None: the last hidden state): the hidden states the drafters read, as ``features``."""
+        hidden, features = self.forward_features(tokens, positions, cache, attention_mask_4d, layers)
+        return TargetOutput(logits=self.logits(hidden), hidden=hidden, cache=cache, features=features)
 
     @torch.inference_mode()
     def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                        attention_mask_4d: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` without the LM head: the last hidden states [B, n, H]."""
+        return self.forward_features(tokens, positions, cache, attention_mask_4d)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                         attention_mask_4d: torch.Tensor | None = None, layers: tuple[int, ...] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward_hidden` and the hidden states ``layers`` concatenated [B, n, len(layers) * H] (None when
+        :meth:`feature_layers` of ``layers`` is empty)."""
+        layers = self.feature_layers(layers)
         if isinstance(cache, KVCache):
             if tokens.shape[0] != 1:
                 raise ValueError(f"a KVCache holds one request; got a batch of {tokens.shape[0]} (forward_segments)")
             mask = None if attention_mask_4d is None else attention_mask_4d[0, 0]
-            return self.engine.forward(tokens[0], positions[0], [Segment(cache, tokens.shape[1], mask)])[None]
+            hidden, features = self.engine.forward_layers(tokens[0], positions[0],
+                                                          [Segment(cache, tokens.shape[1], mask)], layers)
+            return hidden[None], None if features is None else features[None]
         mask = None if attention_mask_4d is None else self.layer_masks(attention_mask_4d, positions)
         out = self.model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                                    use_cache=True)
-        return out.last_hidden_state
+                                    use_cache=True, output_hidden_states=bool(layers))
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+        return out.last_hidden_state, features
 
     @torch.inference_mode()
-    def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                         layers: tuple[int, ...] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Several requests' steps packed in one forward (static engine only): ``tokens``/``positions`` [T],
-        the segments' tokens one after another; the last hidden states [T, H]. Each segment's cache is
-        extended by its n entries, exactly as a forward of that segment alone would."""
+        the segments' tokens one after another; the last hidden states [T, H] (with ``layers``: those and the
+        features [T, F] or None, as :meth:`forward_features`). Each segment's cache is extended by its n
+        entries, exactly as a forward of that segment alone would."""
         if self.engine is None:
             raise ValueError("forward_segments needs the static engine (target.engine), which this target does not run")
-        return self.engine.forward(tokens, positions, segments)
+        if layers is None:
+            return self.engine.forward(tokens, positions, segments)
+        return self.engine.forward_layers(tokens, positions, segments, self.feature_layers(layers))
 
-    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> TargetOutput:
-        """Run ``input_ids`` [B, T] causally after ``cache`` (new cache when None)."""
+    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+                layers: tuple[int, ...] | None = None) -> TargetOutput:
+        """Run ``input_ids`` [B, T] causally after ``cache`` (new cache when None); ``layers`` as :meth:`forward`."""
         cache = cache if cache is not None else self.new_cache()
         past = cache.get_seq_length()
         positions = torch.arange(past, past + input_ids.shape[1], device=self.device).expand(input_ids.shape[0], -1)
-        return self.forward(input_ids.to(self.device), positions, cache)
+        return self.forward(input_ids.to(self.device), positions, cache, layers=layers)
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      layers: tuple[int, ...] | None = None) -> torch.Tensor:
         """Teacher-forced last hidden states [B, T, H] for right-padded ``input_ids`` [B, T] (``attention_mask``
-        [B, T]: 1 on real tokens; None: all real). On the static engine each row runs unpadded, as its own
+        [B, T]: 1 on real tokens; None: all real); with ``layers`` (HF ``hidden_states`` indices) those hidden
+        states concatenated, [B, T, len(layers) * H]. On the static engine each row runs unpadded, as its own
         prefill would (the features a drafter sees when it decodes); padded positions are zero."""
+        layers = tuple(layers) if layers is not None else (self.final_layer,)
+        checked = self.feature_layers(layers)
         if self.engine is not None:
             lengths = ([input_ids.shape[1]] * input_ids.shape[0] if attention_mask is None
                        else attention_mask.sum(1).tolist())
-            out = torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=self.device)
+            out = torch.zeros(*input_ids.shape, len(layers) * self.hidden_size, dtype=self.dtype, device=self.device)
             for row, n in enumerate(lengths):
                 if n:
-                    out[row, :n] = self.engine.forward(input_ids[row, :n].to(self.device),
-                                                       torch.arange(n, device=self.device),
-                                                       [Segment(self.engine.new_cache(n), n, None)])
+                    hidden, features = self.engine.forward_layers(
+                        input_ids[row, :n].to(self.device), torch.arange(n, device=self.device),
+                        [Segment(self.engine.new_cache(n), n, None)], checked)
+                    out[row, :n] = hidden if features is None else features
             return out
         out = self.model.base_model(input_ids=input_ids.to(self.device),
                                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
-                               use_cache=False)
-        return out.last_hidden_state
+                               use_cache=False, output_hidden_states=bool(checked))
+        if not checked:
+            return out.last_hidden_state
+        return torch.cat([out.hidden_states[i] for i in checked], dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [.., V] float32 of ``hidden`` [.., H], soft-capped as the model does (Gemma-2/3); on the

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache, Segment
-from taps_ray.models.target import TargetModel, TargetOutput
+from taps_ray.models.target import TargetModel, TargetOutput, layer_columns, union_layers
 from taps_ray.spec.cost import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.tree import DraftCompute, draft_log_probs
@@ -43,12 +43,14 @@ from taps_ray.spec.tree import DraftCompute, draft_log_probs
 @dataclass
 class ForwardCall:
     """One request's step: ``tokens`` [n] at ``positions`` [n] after ``cache`` (length P); ``mask``
-    [n, P + n] additive in the target's dtype, or None for causal."""
+    [n, P + n] additive in the target's dtype, or None for causal; ``layers``: the hidden states its drafters
+    read (``TargetModel.forward``'s ``layers``)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     cache: DynamicCache
     mask: torch.Tensor | None = None
+    layers: tuple[int, ...] | None = None
 
 
 def _causal(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -112,38 +114,60 @@ def _rows(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetOutput]:
     """One target forward over ``calls``; output i is call i's (logits [1, n_i, V] float32, hidden
-    [1, n_i, H]), and call i's cache is extended by its n_i entries, as ``target.forward`` would."""
+    [1, n_i, H], features of its ``layers``), and call i's cache is extended by its n_i entries, as
+    ``target.forward`` would. Calls asking for different layers share one forward of their union."""
     if len(calls) == 1:
         call = calls[0]
         mask = None if call.mask is None else call.mask[None, None]
-        return [target.forward(call.tokens[None], call.positions[None], call.cache, mask)]
+        return [target.forward(call.tokens[None], call.positions[None], call.cache, mask, call.layers)]
+    layers = union_layers([call.layers for call in calls])
     lengths = [call.cache.get_seq_length() for call in calls]
     sizes = [call.tokens.numel() for call in calls]
     if all(isinstance(call.cache, KVCache) for call in calls):
-        return _forward_packed(target, calls, sizes)
+        return _forward_packed(target, calls, sizes, layers)
     if min(lengths) == 0:
         raise ValueError("forward_batch pads prefilled caches; a call has an empty cache (prefill it alone, or "
                          "run the static engine, whose packed forward prefills in the batch too)")
     caches = [call.cache for call in calls]
     mask = _batch_mask([call.mask for call in calls], lengths, sizes, target.dtype, target.device)
     cache = _padded_cache(caches, lengths)
-    hidden = target.forward_hidden(_rows([c.tokens for c in calls], sizes), _rows([c.positions for c in calls], sizes),
-                                   cache, mask)
+    tokens, positions = _rows([c.tokens for c in calls], sizes), _rows([c.positions for c in calls], sizes)
+    if layers is None:
+        hidden, features = target.forward_hidden(tokens, positions, cache, mask), None
+    else:
+        hidden, features = target.forward_features(tokens, positions, cache, mask, layers)
     logits = target.logits(torch.cat([hidden[row, :n] for row, n in enumerate(sizes)])).split(sizes)
     _extend(caches, cache, max(lengths), sizes)
-    return [TargetOutput(logits=logits[row][None], hidden=hidden[row:row + 1, :n], cache=call.cache)
+    return [TargetOutput(logits=logits[row][None], hidden=hidden[row:row + 1, :n], cache=call.cache,
+                         features=_own(target, features, layers, call.layers, row, n))
             for row, (call, n) in enumerate(zip(calls, sizes))]
 
 
-def _forward_packed(target: TargetModel, calls: list[ForwardCall], sizes: list[int]) -> list[TargetOutput]:
+def _own(target: TargetModel, features: torch.Tensor | None, layers: tuple[int, ...] | None,
+         want: tuple[int, ...] | None, row: int, n: int) -> torch.Tensor | None:
+    """Row ``row``'s first n features [1, n, F] in the layout of its own ``want`` out of a batch's ``features``
+    [B, n_max, F_union] of the union ``layers`` (None when the call asked for the last hidden state only)."""
+    if features is None or not target.feature_layers(want):
+        return None
+    part = features[row:row + 1, :n]
+    return part if tuple(want) == layers else part[..., layer_columns(layers, tuple(want), target.hidden_size)]
+
+
+def _forward_packed(target: TargetModel, calls: list[ForwardCall], sizes: list[int],
+                    layers: tuple[int, ...] | None) -> list[TargetOutput]:
     """:func:`forward_batch` on the static engine: the calls' tokens packed [T], each attending over its
     own cache (no padding, no cache copies)."""
     segments = [Segment(call.cache, n, call.mask) for call, n in zip(calls, sizes)]
-    hidden = target.forward_segments(torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls]),
-                                     segments)
+    tokens, positions = torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls])
+    if layers is None:
+        hidden, features = target.forward_segments(tokens, positions, segments), None
+    else:
+        hidden, features = target.forward_segments(tokens, positions, segments, layers)
     logits = target.logits(hidden).split(sizes)
-    return [TargetOutput(logits=rows[None], hidden=part[None], cache=call.cache)
-            for call, rows, part in zip(calls, logits, hidden.split(sizes))]
+    parts = [None] * len(calls) if features is None else list(features.split(sizes))
+    return [TargetOutput(logits=rows[None], hidden=part[None], cache=call.cache,
+                         features=_own(target, None if f is None else f[None], layers, call.layers, 0, n))
+            for call, rows, part, f, n in zip(calls, logits, hidden.split(sizes), parts, sizes)]
 
 
 @dataclass
@@ -288,12 +312,12 @@ class ForwardBatcher(Batcher):
         return out
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
+                attention_mask_4d: torch.Tensor | None = None, layers: tuple[int, ...] | None = None) -> TargetOutput:
         """``TargetModel.forward`` for one request (``tokens`` [1, n]), run in a batch with others."""
         if tokens.shape[0] != 1:
             raise ValueError(f"ForwardBatcher.forward takes one request (tokens [1, n]), got {tuple(tokens.shape)}")
         mask = None if attention_mask_4d is None else attention_mask_4d[0, 0]
-        return self.submit(ForwardCall(tokens[0], positions[0], cache, mask))
+        return self.submit(ForwardCall(tokens[0], positions[0], cache, mask, layers))
 
 
 class DraftBatcher(DraftCompute):
@@ -337,16 +361,17 @@ class BatchingTarget:
         self.batch_load = batcher.load
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                attention_mask_4d: torch.Tensor | None = None) -> TargetOutput:
-        return self._batcher.forward(tokens, positions, cache, attention_mask_4d)
+                attention_mask_4d: torch.Tensor | None = None, layers: tuple[int, ...] | None = None) -> TargetOutput:
+        return self._batcher.forward(tokens, positions, cache, attention_mask_4d, layers)
 
-    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> TargetOutput:
+    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+                layers: tuple[int, ...] | None = None) -> TargetOutput:
         """``TargetModel.prefill``, in the batch when the static engine packs it (one request, ``[1, T]``)."""
         if not isinstance(cache, KVCache):
-            return self._target.prefill(input_ids, cache)
+            return self._target.prefill(input_ids, cache, layers)
         past = cache.get_seq_length()
         positions = torch.arange(past, past + input_ids.shape[1], device=self._target.device)[None]
-        return self.forward(input_ids.to(self._target.device), positions, cache)
+        return self.forward(input_ids.to(self._target.device), positions, cache, layers=layers)
 
     def __getattr__(self, name: str):
         return getattr(self._target, name)

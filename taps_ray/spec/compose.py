@@ -39,7 +39,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
-from taps_ray.models.target import TargetModel
+from taps_ray.models.target import TargetModel, union_layers
 from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
@@ -197,11 +197,12 @@ class _Ensemble:
         self.target: TargetModel | None = None
         self.states: list[DrafterState] = []
         self.support = common_support(self.drafters)
+        self.feature_layers = union_layers([d.feature_layers for d in self.drafters])
 
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         check_drafters(self.drafters, self.names, target)
         self.target = target
-        self.states = [DrafterState(d) for d in self.drafters]
+        self.states = [DrafterState(d, layers=self.feature_layers) for d in self.drafters]
         for state in self.states:
             state.add(tokens, features)
 

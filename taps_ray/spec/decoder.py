@@ -173,6 +173,11 @@ class _Request:
     def greedy(self) -> bool:
         return self.sampling.temperature == 0
 
+    @property
+    def layers(self) -> tuple[int, ...] | None:
+        """The target hidden states the strategy's drafters read (its ``feature_layers``; None: the last one)."""
+        return getattr(self.strategy, "feature_layers", None)
+
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token from ``logits``: argmax when greedy, else sampled with the request's generator."""
         if self.greedy:
@@ -319,7 +324,7 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
     target, max_new_tokens = request.target, request.max_new_tokens
     prompt_len = request.prompt_len = ids.numel()
     request.cache = target.new_cache(prompt_len + max_new_tokens + 64)
-    out = target.prefill(ids[None], request.cache)
+    out = target.prefill(ids[None], request.cache, layers=request.layers)
     if request.feature_sink is not None:
         request.feature_sink.append(out.hidden[0])
     tokens = request.tokens = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=target.device)
@@ -333,7 +338,7 @@ def _prefill(request: _Request, ids: torch.Tensor) -> str | None:
         return "eos"
     if max_new_tokens == 1:
         return "length"
-    request.strategy.start(target, tokens[1:request.length], out.hidden[0])
+    request.strategy.start(target, tokens[1:request.length], out.drafter_features[0])
     return None
 
 
@@ -362,9 +367,9 @@ def _step(request: _Request) -> str | None:
     t1, verify_wall = request.timer(), time.perf_counter()
     draft_s = verify_wall - wall
     if tree is None:
-        new, features, rows, record = _plain_step(request, r)
+        new, hidden, features, rows, record = _plain_step(request, r)
     else:
-        new, features, rows, record = _tree_step(request, tree, r)
+        new, hidden, features, rows, record = _tree_step(request, tree, r)
     record.update(limited)
     if state.notes:
         record["meta"] = {**record.get("meta", {}), **state.notes}
@@ -377,23 +382,26 @@ def _step(request: _Request) -> str | None:
         budget.observe(tree, request.path, None if first_draft else draft_s, verify_s, max(other_rows, 0))
         if request.load is not None:
             request.load.note(id(request), 1 if tree is None else tree.size, int(new.numel()), draft_s, group)
-    return _append(request, new, features, rows, record, t0, t1)
+    return _append(request, new, hidden, features, rows, record, t0, t1)
 
 
-def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
-    """One target forward on the last token: (the next token, its feature, the target's logits it was
-    drawn from, the step's record fields)."""
+def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                     dict]:
+    """One target forward on the last token: (the next token, its last hidden state, its drafter features, the
+    target's logits it was drawn from, the step's record fields)."""
     target = request.target
     positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
-    out = target.forward(request.tokens[r:request.length][None], positions, request.cache)
+    out = target.forward(request.tokens[r:request.length][None], positions, request.cache, layers=request.layers)
     new = request.choose(out.logits[0])
-    return new, out.hidden[0], out.logits[0], {"accepted": 0, "tree_size": 1, "tree_depth": 0, "rejected": False}
+    return new, out.hidden[0], out.drafter_features[0], out.logits[0], {"accepted": 0, "tree_size": 1,
+                                                                       "tree_depth": 0, "rejected": False}
 
 
 def _tree_step(request: _Request, tree: DraftTree,
-               r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+               r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
     """Verify ``tree`` (cut to the context left) and compact the KV cache to the accepted path:
-    (the accepted tokens and the bonus, their features, the target's logits [k + 1, V] at the path's
+    (the accepted tokens and the bonus, their last hidden states and drafter features, the target's logits
+    [k + 1, V] at the path's
     nodes, which they were drawn from (None unless logprobs are asked), the step's record fields)."""
     target, strategy, sampling = request.target, request.strategy, request.sampling
     if tree.prefix_len != r:
@@ -402,7 +410,7 @@ def _tree_step(request: _Request, tree: DraftTree,
     proposed, repeated = tree, repeated_siblings(tree.tokens, tree.parent)  # read at the walk's sync
     if tree.size > target.max_context - r:
         tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
-    out = run_tree(target, tree, request.cache)
+    out = run_tree(target, tree, request.cache, request.layers)
     logits = out.logits[0]
     if request.greedy:
         verdict = verify_greedy(tree, logits)
@@ -423,11 +431,11 @@ def _tree_step(request: _Request, tree: DraftTree,
         record["meta"] = tree.meta
     rows = logits[verdict.path] if request.top is not None else None
     request.path = verdict.path
-    return verdict.tokens, out.hidden[0, verdict.path], rows, record
+    return verdict.tokens, out.hidden[0, verdict.path], out.drafter_features[0, verdict.path], rows, record
 
 
-def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: torch.Tensor | None,
-            record: dict, t0: float, t1: float) -> str | None:
+def _append(request: _Request, new: torch.Tensor, hidden: torch.Tensor, features: torch.Tensor,
+            rows: torch.Tensor | None, record: dict, t0: float, t1: float) -> str | None:
     """Append ``new`` up to its first EOS and the token budget (and the logprobs of those from
     ``rows``), hand them to the observer (:func:`_observe`, which cuts them at a stop sequence), record the
     step, and advance the strategy; the finish reason when the request ends here."""
@@ -442,7 +450,7 @@ def _append(request: _Request, new: torch.Tensor, features: torch.Tensor, rows: 
     reason = _observe(request, start)
     keep = request.length - start
     if request.feature_sink is not None:
-        request.feature_sink.append(features[:keep])
+        request.feature_sink.append(hidden[:keep])
     request.steps.append(StepRecord(appended=keep, draft_s=t1 - t0, verify_s=request.timer() - t1, **record))
     if reason is not None:
         return reason

@@ -64,6 +64,10 @@ class Strategy(Protocol):
     A proposed tree must be drafted from ``state.prefix_len`` and its siblings must carry distinct
     tokens; :func:`~taps_ray.spec.decoder.generate` refuses any other tree with a RuntimeError
     naming the strategy.
+
+    A strategy may declare ``feature_layers`` (HF ``hidden_states`` indices, the union of its drafters'
+    :attr:`~taps_ray.models.drafter.DraftHead.feature_layers`): ``features`` are then those target hidden
+    states concatenated, [T, len * H]; without it they are the last hidden state [T, H].
     """
 
     name: str
@@ -101,9 +105,13 @@ class SingleStrategy:
         self.target: TargetModel | None = None
         self.state: DrafterState | None = None
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.feature_layers
+
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self.target = target
-        self.state = DrafterState(self.drafter)
+        self.state = DrafterState(self.drafter, layers=self.feature_layers)
         self.state.add(tokens, features)
 
     def propose(self, state: DecodeState) -> DraftTree:

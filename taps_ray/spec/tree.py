@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.quant import HalfLinear, read_linears_in_half
-from taps_ray.models.target import TargetModel, crop_cache
+from taps_ray.models.target import TargetModel, crop_cache, layer_columns
 
 
 @dataclass
@@ -289,13 +289,19 @@ class DrafterState:
     """A drafter's KV cache over committed ``(token_{i+1}, f_i)`` pairs plus pairs not yet run.
 
     The cache holds positions ``0 .. committed - 1``; :meth:`add` queues new pairs (tokens [m],
-    target features [m, H]); :func:`draft_tree` runs the queued pairs first, so after drafting
-    ``committed`` equals the root's position. ``compute`` runs the drafter (:class:`DraftCompute`).
+    target features [m, F] laid out as ``layers``: the target hidden states the strategy's forwards return,
+    None for the last one alone); each pair keeps the drafter's own :attr:`DraftHead.feature_layers` of them.
+    :func:`draft_tree` runs the queued pairs first, so after drafting ``committed`` equals the root's
+    position. ``compute`` runs the drafter (:class:`DraftCompute`). ValueError when ``layers`` lacks a layer
+    the drafter reads.
     """
 
-    def __init__(self, drafter: DraftHead, compute: DraftCompute = DIRECT):
+    def __init__(self, drafter: DraftHead, compute: DraftCompute = DIRECT, layers: tuple[int, ...] | None = None):
         self.drafter = drafter
         self.compute = compute
+        have = tuple(layers) if layers is not None else (drafter.target_layers,)
+        want = drafter.feature_layers
+        self.columns = None if have == want else layer_columns(have, want, drafter.config.hidden_size)
         self.cache = drafter.new_cache()
         self.committed = 0
         self.head: torch.Tensor | HalfLinear | None = None
@@ -304,9 +310,14 @@ class DrafterState:
         self._support: tuple | None = None
 
     def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Queue pairs: ``tokens`` [m] are token_{i+1}, ``features`` [m, H] are the target's f_i."""
+        """Queue pairs: ``tokens`` [m] are token_{i+1}, ``features`` [m, F] are the target's f_i."""
+        features = features.reshape(tokens.numel(), -1)
+        if self.columns is not None:
+            if self.columns.device != features.device:
+                self.columns = self.columns.to(features.device)
+            features = features[:, self.columns]
         self._tokens.append(tokens.reshape(-1))
-        self._features.append(features.reshape(tokens.numel(), -1))
+        self._features.append(features)
 
     def support_rows(self, target: TargetModel, support: torch.Tensor | None) -> tuple[torch.Tensor | None,
                                                                                       torch.Tensor | None]:
@@ -423,7 +434,7 @@ def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState
     positions = torch.arange(state.committed, r, device=device)[None]
     dtype = drafter.fc.weight.dtype
     out = state.compute.forward(drafter, target.embed_tokens(tokens.to(device))[None],
-                                features[None].to(device, dtype), positions, state.cache, None)
+                                drafter.fuse(features[None].to(device, dtype)), positions, state.cache, None)
     state.committed = r
     if state.head is None:
         half = getattr(target, "weights", "dense") == "fp16"
@@ -439,7 +450,7 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
     (tree mask over its own cache), all K*K children scored, the global top K the next frontier."""
     device = target.device
     dtype = drafter.fc.weight.dtype
-    logp, ent, lse = state.compute.log_probs(state.head, out[0, -1:])
+    logp, ent, lse = state.compute.log_probs(state.head, drafter.readout(out[0, -1:]))
     k = min(tree_cfg.top_k, logp.shape[-1])
     depth = tree_cfg.depth
     n_cand = k + depth * k * k
@@ -449,7 +460,7 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
                     entropy=torch.empty(n_cand, dtype=torch.float32, device=device),
                     depth=torch.empty(n_cand, dtype=torch.long, device=device),
                     row=torch.zeros(n_cand, dtype=torch.long, device=device) if rows else None,
-                    rows=[(out[0, -1:], lse, ent)] if rows else None)
+                    rows=[(drafter.readout(out[0, -1:]), lse, ent)] if rows else None)
 
     top = logp[0].topk(k)
     frontier_token = drafter.to_target_ids(top.indices)
@@ -470,9 +481,10 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
         positions = torch.full((1, k), r + level - 1, device=device)
         hidden = state.compute.forward(drafter, target.embed_tokens(frontier_token)[None], frontier_feature[None],
                                        positions, state.cache, mask)[0]
-        logp, ent, lse = state.compute.log_probs(state.head, hidden)
+        readout = drafter.readout(hidden)
+        logp, ent, lse = state.compute.log_probs(state.head, readout)
         if c.rows is not None:
-            c.rows.append((hidden, lse, ent))
+            c.rows.append((readout, lse, ent))
         top = logp.topk(k, dim=-1)
         child_score = (frontier_score[:, None] + top.values).reshape(-1)
         child_token = drafter.to_target_ids(top.indices).reshape(-1)

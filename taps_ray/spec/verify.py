@@ -45,11 +45,13 @@ def tree_attention(tree: DraftTree, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return mask[None, None], tree.positions[None]
 
 
-def run_tree(target: TargetModel, tree: DraftTree, cache: DynamicCache) -> TargetOutput:
-    """One target forward over the tree on top of ``cache`` (length r, extended by N)."""
+def run_tree(target: TargetModel, tree: DraftTree, cache: DynamicCache,
+             layers: tuple[int, ...] | None = None) -> TargetOutput:
+    """One target forward over the tree on top of ``cache`` (length r, extended by N); ``layers``: the hidden
+    states the drafters read (``TargetModel.forward``)."""
     mask, positions = tree_attention(tree, target.dtype)
     return target.forward(tree.tokens[None].to(target.device), positions.to(target.device), cache,
-                          mask.to(target.device))
+                          mask.to(target.device), layers=layers)
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:

@@ -217,7 +217,7 @@ class MixtureBase(TrainingOverrides):
         "share of the first dataset (math:chat = ratio:1-ratio)"))
     total: int | None = Field(default=None, ge=1, description="rows mixed (None: as many as the pools allow)")
     seed: int = Field(default=0, description="seed of the row selection")
-    algorithm: Literal["eagle2", "hass"] = Field(default="hass", description="training objective's algorithm")
+    algorithm: Literal["eagle2", "hass", "eagle3"] = Field(default="hass", description="training objective's algorithm")
 
     def _owner(self) -> str:
         return "base"
@@ -277,7 +277,7 @@ def _check_value(model: type[BaseModel], field: str, value: Any) -> None:
 
 class MixtureSweepSpec(SweepSpec):
     """``kind: mixture``: search keys ``ratio`` (share of ``mixture.datasets[0]``, in [0, 1]),
-    ``total`` (rows), ``algorithm`` (eagle2 | hass), ``train.KEY`` and ``objective.KEY`` (training
+    ``total`` (rows), ``algorithm`` (eagle2 | hass | eagle3), ``train.KEY`` and ``objective.KEY`` (training
     knobs of the variant). Each trial reports its simulated objective per epoch (for ``scheduler``)
     and, at the end, tau per domain on the held-out prompts."""
 
@@ -325,8 +325,8 @@ def _check_mixture_value(key: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"total must be an integer >= 1 (rows), got {value!r}")
     elif key == "algorithm":
-        if value not in ("eagle2", "hass"):
-            raise ValueError(f"algorithm must be eagle2 or hass, got {value!r}")
+        if value not in ("eagle2", "hass", "eagle3"):
+            raise ValueError(f"algorithm must be eagle2, hass or eagle3, got {value!r}")
     else:
         section, field = key.split(".", 1)
         _check_value(TrainConfig if section == "train" else ObjectiveConfig, field, value)

@@ -110,6 +110,10 @@ def adapt_experiment(cfg: ExperimentConfig, traffic: Path, source: str, meta: di
     raw = cfg.model_dump()
     raw["data"]["datasets"][TRAFFIC] = {"domain": TRAFFIC, "alternatives": [{"kind": "features", "path": str(traffic)}]}
     raw["mixtures"][MIXTURE] = {"ratio": ratio, "total": cfg.adapt.rows}
+    if meta.get("algorithm") == "eagle3" and not new:
+        raise AdaptError(f"drafter {source!r} is an EAGLE-3 drafter: taps adapt does not adapt EAGLE-3 drafters yet "
+                         f"(captured traffic stores the last hidden state only, EAGLE-3 reads three layers); "
+                         f"adapt an eagle2 or hass drafter, or pass --new")
     algorithm = meta.get("algorithm") if meta.get("algorithm") in ("eagle2", "hass") else "eagle2"
     objective = {k: v for k, v in (meta.get("objective") or {}).items()
                  if k in ObjectiveConfig.model_fields and k != "algorithm"}

@@ -54,20 +54,20 @@ def epoch_batches(rows: Iterable[dict], batch_size: int, buffer: int, seed: int,
 
 
 def collate(rows: list[dict], hidden_size: int, max_tokens: int | None = None,
-            hidden_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+            hidden_dtype: torch.dtype = torch.float32, layers: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded batch from feature rows (raw Parquet rows or :func:`decode_row` output).
 
-    Returns ``input_ids`` Long[B, T], ``hidden`` [B, T, H] (``hidden_dtype``), ``loss_mask``
-    Float[B, T], ``attention_mask`` Long[B, T]; T is the longest row (after cropping rows to
-    ``max_tokens``); padding is 0.
+    Returns ``input_ids`` Long[B, T], ``hidden`` [B, T, layers * H] (``hidden_dtype``; each row's last
+    ``layers`` stored hidden states, :func:`decode_row`), ``loss_mask`` Float[B, T], ``attention_mask``
+    Long[B, T]; T is the longest row (after cropping rows to ``max_tokens``); padding is 0.
     """
-    decoded = [r if isinstance(r.get("hidden"), torch.Tensor) else decode_row(r, hidden_size) for r in rows]
+    decoded = [r if isinstance(r.get("hidden"), torch.Tensor) else decode_row(r, hidden_size, layers) for r in rows]
     lengths = [min(len(r["input_ids"]), max_tokens or len(r["input_ids"])) for r in decoded]
     batch, longest = len(decoded), max(lengths)
     input_ids = torch.zeros(batch, longest, dtype=torch.long)
     loss_mask = torch.zeros(batch, longest, dtype=torch.float32)
     attention_mask = torch.zeros(batch, longest, dtype=torch.long)
-    hidden = torch.zeros(batch, longest, hidden_size, dtype=hidden_dtype)
+    hidden = torch.zeros(batch, longest, layers * hidden_size, dtype=hidden_dtype)
     for i, (row, n) in enumerate(zip(decoded, lengths)):
         input_ids[i, :n] = row["input_ids"][:n]
         loss_mask[i, :n] = row["loss_mask"][:n]
@@ -76,13 +76,17 @@ def collate(rows: list[dict], hidden_size: int, max_tokens: int | None = None,
     return {"input_ids": input_ids, "hidden": hidden, "loss_mask": loss_mask, "attention_mask": attention_mask}
 
 
-def heldout_rows(tables: dict | None, hidden_size: int) -> dict[str, list[dict]]:
-    """Decoded held-out rows per dataset from pyarrow feature tables per dataset."""
+def heldout_rows(tables: dict | None, hidden_size: int, layers: int = 1) -> dict[str, list[dict]]:
+    """Decoded held-out rows per dataset from pyarrow feature tables per dataset (``layers``: :func:`decode_row`);
+    a dataset whose rows store fewer than ``layers`` hidden states (an EAGLE-3 drafter's held-out metrics on a
+    set prepared with the last hidden state only) is left out."""
     rows: dict[str, list[dict]] = {}
     for name, table in (tables or {}).items():
         for row in table.to_pylist():
+            if len(row["hidden"]) < 2 * int(row["length"]) * hidden_size * layers:
+                break
             for key in ("input_ids", "loss_mask"):
                 if isinstance(row[key], dict):
                     row[key] = row[key]["data"]
-            rows.setdefault(name, []).append(decode_row(row, hidden_size))
+            rows.setdefault(name, []).append(decode_row(row, hidden_size, layers))
     return rows

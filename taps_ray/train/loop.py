@@ -48,7 +48,7 @@ import torch
 from taps_ray import faults
 from taps_ray.config import ObjectiveConfig, TrainConfig
 from taps_ray.data.contamination import write_trained_prompts
-from taps_ray.models.drafter import DraftHead
+from taps_ray.models.drafter import DrafterLoadError, DraftHead, drafter_class
 from taps_ray.models.target import TargetFingerprint
 from taps_ray.runstate import append_jsonl, read_jsonl, write_jsonl
 from taps_ray.train.batches import collate, epoch_batches, heldout_rows, steps_per_epoch
@@ -59,6 +59,12 @@ from taps_ray.train.shards import ShardRows
 STATE_NAME = "train_state.pt"
 DRAFTER_DIR = "drafter"
 LOSS_PARTS = ("loss", "feature", "ce", "topk")
+
+
+def loss_parts(algorithm: str) -> list[str]:
+    """The loss parts :func:`~taps_ray.train.losses.drafter_loss` reports for ``algorithm``: topk for hass
+    only, no feature term for eagle3."""
+    return [p for p in LOSS_PARTS if (p != "topk" or algorithm == "hass") and (p != "feature" or algorithm != "eagle3")]
 
 
 @dataclass(frozen=True)
@@ -176,12 +182,13 @@ def evaluate(module: DraftHead, heldout: dict[str, list[dict]], embed: torch.Ten
     loss parts (no noise) are means over scored positions, ``acc<k>`` the greedy unrolled top-1
     accuracy at draft position k = 1..``depth``, ``tau`` the simulated acceptance length.
     """
-    parts = [p for p in LOSS_PARTS if p != "topk" or objective.algorithm == "hass"]
+    parts = loss_parts(objective.algorithm)
     sums: dict[str, list[float]] = {}
     for name in sorted(heldout):
         acc = [0.0] * (len(parts) + 1 + 2 * depth)
         for start in range(rank * batch_size, len(heldout[name]), world * batch_size):
-            batch = {k: v.to(device) for k, v in collate(heldout[name][start:start + batch_size], hidden_size).items()}
+            batch = {k: v.to(device) for k, v in collate(heldout[name][start:start + batch_size], hidden_size,
+                                                         layers=module.row_layers).items()}
             out = drafter_loss(module, batch, embed, head, objective, add_noise=False)
             correct, total = unrolled_counts(module, batch, embed, head, depth)
             for i, part in enumerate(parts):
@@ -366,17 +373,21 @@ def _setup(config: dict) -> _Worker:
 
     state, saved = TrainState(), None
     checkpoint = ray.train.get_checkpoint()
+    head_cls = drafter_class(objective.algorithm)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            module = DraftHead.load(Path(directory) / DRAFTER_DIR, config["target_config"], fingerprint)
+            module = head_cls.load(Path(directory) / DRAFTER_DIR, config["target_config"], fingerprint)
             saved = torch.load(Path(directory) / STATE_NAME, map_location="cpu", weights_only=True)
         state = TrainState(**saved["state"])
     elif config.get("init_from"):
-        module = DraftHead.load(config["init_from"], config["target_config"], fingerprint)
+        module = head_cls.load(config["init_from"], config["target_config"], fingerprint)
+        if type(module) is not head_cls:
+            raise DrafterLoadError(f"variant {variant!r} trains {objective.algorithm} ({head_cls.architecture}); "
+                                   f"train.init_from {config['init_from']!r} is a {module.architecture} drafter")
     else:
         d2t = config.get("draft_to_target")
-        module = DraftHead(config["target_config"], draft_to_target=None if d2t is None else torch.tensor(d2t),
-                           seed=int(config.get("drafter_seed", 0)))
+        module = head_cls(config["target_config"], draft_to_target=None if d2t is None else torch.tensor(d2t),
+                          seed=int(config.get("drafter_seed", 0)))
     module.metadata = {}
     model = ray.train.torch.prepare_model(module.train())
     module = unwrap(model)
@@ -396,7 +407,7 @@ def _setup(config: dict) -> _Worker:
         fail_at=faults.fail_at_step(config.get("fail_at_step") or os.environ.get(faults.TRAIN_ENV), variant),
         marker=Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}"),
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
-        heldout=heldout_rows(_resolve(config.get("heldout")), hidden_size),
+        heldout=heldout_rows(_resolve(config.get("heldout")), hidden_size, module.row_layers),
         pooled=list(config.get("datasets") or []),
         shard=ShardRows(config["blocks"], rank, world, bool(config.get("cache_rows", False))))
 
@@ -437,7 +448,7 @@ def _train_step(worker: _Worker, rows: list[dict], epoch: int, objective: Object
     stage = stage_of(worker.stages, epoch)
     started, cpu_started = time.perf_counter(), time.process_time()
     batch = {k: v.to(worker.device, non_blocking=True) for k, v in
-             collate(rows, worker.hidden_size, train.max_tokens).items()}
+             collate(rows, worker.hidden_size, train.max_tokens, layers=worker.module.row_layers).items()}
     lr = lr_at(state.step - stage.first_epoch * worker.per_epoch, stage.epochs * worker.per_epoch, stage.lr,
                train.warmup_steps, train.schedule)
     for group in worker.optimizer.param_groups:

@@ -1,4 +1,4 @@
-"""EAGLE-2 and HASS drafter training objectives.
+"""EAGLE-2, HASS and EAGLE-3 drafter training objectives.
 
 Alignment (EAGLE). A batch row holds tokens ``x_0..x_{T-1}`` and target features ``f_0..f_{T-1}``
 (last hidden state after the final norm, teacher forced). The drafter has ``n = T - 1`` positions:
@@ -24,6 +24,13 @@ by default (``hass_detach``, stop-gradient): pass ``k`` learns to act in the dep
 given rather than to steer earlier passes towards easier states; earlier passes' keys/values stay
 in the graph through the drafter's parameters. The total is the mean over passes of each pass's loss,
 so one pass equals EAGLE-2 and the loss scale does not grow with ``n``.
+
+Training-time test (EAGLE-3, :class:`~taps_ray.models.eagle3.Eagle3Head`). A row's ``hidden`` holds the
+three target layers the drafter fuses, then the last hidden state ([T, 4H]); the input feature of pass 1 is
+``fc`` of the three layers (no noise), the teacher distribution that of the last hidden state. Passes
+``2..ttt_steps`` are HASS's passes on the drafter's own (pre-norm) outputs, with the same masks, and the
+gradient flows through the fed-back outputs (no stop-gradient). Each pass's loss is the soft CE to the target
+alone (no feature regression: ``feature_weight`` and ``ce_weight`` do not apply); the total is their mean.
 
 Every term is a mean over the scored positions of its pass; the per-position feature term is the
 SmoothL1 (beta 1) averaged over the hidden dimension. Soft CE and top-K distillation share one fused
@@ -61,8 +68,9 @@ class LossOutput:
 class DraftInputs:
     """A batch aligned to drafter positions (``n = T - 1``).
 
-    ``token_embeds`` [B, n, H] = embed(x_{i+1}); ``features`` [B, n, H] = f_i; ``targets``
-    [B, n, H] = f_{i+1}; ``positions`` [B, n]; ``scored`` Bool[B, n] = x_{i+1} is a real assistant token.
+    ``token_embeds`` [B, n, H] = embed(x_{i+1}); ``features`` [B, n, F] = f_i (the drafter's feature layers,
+    F = len(feature_layers) * H); ``targets`` [B, n, H] = the last hidden state at i + 1; ``positions``
+    [B, n]; ``scored`` Bool[B, n] = x_{i+1} is a real assistant token.
     """
 
     token_embeds: torch.Tensor
@@ -78,16 +86,21 @@ def unwrap(drafter: nn.Module) -> DraftHead:
 
 
 def align_batch(batch: dict, embed: nn.Embedding | torch.Tensor, drafter: nn.Module) -> DraftInputs:
-    """Shift a feature batch (``input_ids``, ``hidden``, ``loss_mask``, ``attention_mask``, all [B, T],
-    right padded) to drafter positions, on the drafter's device and dtype; the target embedding is
-    used frozen."""
-    weight = unwrap(drafter).fc.weight
+    """Shift a feature batch (``input_ids``, ``loss_mask``, ``attention_mask`` [B, T], ``hidden`` [B, T,
+    row_layers * H], right padded) to drafter positions, on the drafter's device and dtype; the target
+    embedding is used frozen. ValueError when ``hidden`` is not ``row_layers * H`` wide."""
+    module = unwrap(drafter)
+    weight = module.fc.weight
+    size = module.config.hidden_size
     input_ids = batch["input_ids"].to(weight.device)
     hidden = batch["hidden"].to(device=weight.device, dtype=weight.dtype)
     if hidden.is_inference():
         hidden = hidden.clone()
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
+    if hidden.shape[-1] != module.row_layers * size:
+        raise ValueError(f"a {module.algorithm} drafter trains on {module.row_layers} hidden state(s) of {size} per "
+                         f"token, got hidden of width {hidden.shape[-1]}")
     attention_mask = batch.get("attention_mask")
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
             else attention_mask.to(weight.device).bool())
@@ -100,8 +113,8 @@ def align_batch(batch: dict, embed: nn.Embedding | torch.Tensor, drafter: nn.Mod
     positions = torch.arange(n, device=weight.device).expand(input_ids.shape[0], n)
     return DraftInputs(
         token_embeds=token_embeds,
-        features=hidden[:, :-1],
-        targets=hidden[:, 1:],
+        features=hidden[:, :-1, :len(module.feature_layers) * size],
+        targets=hidden[:, 1:, -size:],
         positions=positions,
         scored=(loss_mask & real)[:, 1:],
     )
@@ -139,13 +152,16 @@ def harmonized_mask(n: int, depth: int, dtype: torch.dtype, device: torch.device
 
 def drafter_passes(drafter: nn.Module, token_embeds: torch.Tensor, features: torch.Tensor,
                    positions: torch.Tensor, passes: int, detach: bool = True) -> list[torch.Tensor]:
-    """Outputs f̂ [B, n, H] of passes 1..``passes`` (harmonized context alignment; pass 1 = EAGLE-2).
+    """Outputs f̂ [B, n, H] of passes 1..``passes`` (harmonized context alignment / training-time test;
+    pass 1 = EAGLE-2's) from target ``features`` [B, n, F] (the drafter's :meth:`fuse` makes them H wide).
 
-    Pass ``k``'s input feature at ``t`` is pass ``k-1``'s output at ``t - 1`` (``features[:, 0]`` at
-    ``t = 0``, a position never scored at depth ``k > 1``). ``drafter`` may be a DDP wrapper.
+    Pass ``k``'s input feature at ``t`` is pass ``k-1``'s output at ``t - 1`` (the fused ``features[:, 0]``
+    at ``t = 0``, a position never scored at depth ``k > 1``). ``drafter`` may be a DDP wrapper.
     """
     n = features.shape[1]
-    cache = unwrap(drafter).new_cache() if passes > 1 else None
+    module = unwrap(drafter)
+    features = module.fuse(features)
+    cache = module.new_cache() if passes > 1 else None
     outputs: list[torch.Tensor] = []
     inputs = features
     for k in range(1, passes + 1):
@@ -230,25 +246,26 @@ def drafter_loss(
     generator: torch.Generator | None = None,
     add_noise: bool = True,
 ) -> LossOutput:
-    """EAGLE-2 / HASS loss of one batch (see module docstring for alignment and masking).
+    """EAGLE-2 / HASS / EAGLE-3 loss of one batch (see module docstring for alignment and masking).
 
     Per pass: ``feature_weight * SmoothL1 + ce_weight * softCE(p, q) [+ topk_weight * topK(p, q)]``
-    with ``p = softmax(head(f_{i+1}))``, ``q = softmax(head(f̂_{i+1}))`` over the draft vocabulary;
-    total = mean over passes. ``add_noise`` applies ``cfg.noise`` to the input target features
+    with ``p = softmax(head(f_{i+1}))``, ``q = softmax(head(readout(f̂_{i+1})))`` over the draft vocabulary
+    (eagle3: ``softCE(p, q)`` alone, no noise, gradient through the unroll); total = mean over passes. ``add_noise`` applies ``cfg.noise`` to the input target features
     (training); ``generator`` makes the noise reproducible. ``drafter`` is a :class:`DraftHead` or a
     DDP wrapper of one (its forward is called once per pass, through the wrapper).
     """
     inputs = align_batch(batch, embed, drafter)
-    features = feature_noise(inputs.features, cfg, generator) if add_noise else inputs.features
+    eagle3 = cfg.algorithm == "eagle3"
+    features = feature_noise(inputs.features, cfg, generator) if add_noise and not eagle3 else inputs.features
     outputs = drafter_passes(drafter, inputs.token_embeds, features, inputs.positions, cfg.passes,
-                             detach=cfg.hass_detach)
+                             detach=cfg.hass_detach and not eagle3)
     head = lm_head_weight.detach()
     module = unwrap(drafter)
     scored = inputs.scored
     targets = inputs.targets[scored]
     use_topk = cfg.algorithm == "hass"
     with torch.no_grad():
-        target_logits = module.logits(targets, head)
+        target_logits = module.vocab_logits(targets, head)
         target_top1 = target_logits.argmax(-1)
         target = TargetDistribution.of(torch.softmax(target_logits, dim=-1), cfg.topk if use_topk else 0)
         del target_logits
@@ -263,11 +280,15 @@ def drafter_loss(
         pred = out[scored]
         logits = module.logits(pred, head)
         ce, topk = distillation_terms(logits, target)
-        terms = {
-            "feature": _masked_mean(smooth_l1(pred, targets), weight, count),
-            "ce": _masked_mean(ce, weight, count),
-        }
-        loss = cfg.feature_weight * terms["feature"] + cfg.ce_weight * terms["ce"]
+        if eagle3:
+            terms = {"ce": _masked_mean(ce, weight, count)}
+            loss = terms["ce"]
+        else:
+            terms = {
+                "feature": _masked_mean(smooth_l1(pred, targets), weight, count),
+                "ce": _masked_mean(ce, weight, count),
+            }
+            loss = cfg.feature_weight * terms["feature"] + cfg.ce_weight * terms["ce"]
         if use_topk:
             terms["topk"] = _masked_mean(topk, weight, count)
             loss = loss + cfg.topk_weight * terms["topk"]
@@ -281,6 +302,6 @@ def drafter_loss(
             sums[name] += parts[f"pass{k}/{name}"]
     total = torch.stack(pass_losses).mean()
     parts["loss"] = float(total.detach())
-    for name in ("feature", "ce") + (("topk",) if use_topk else ()):
+    for name in (("ce",) if eagle3 else ("feature", "ce")) + (("topk",) if use_topk else ()):
         parts[name] = sums[name] / len(outputs)
     return LossOutput(total=total, parts=parts, tokens=int(scored.sum()), top1_acc=top1)

@@ -197,7 +197,8 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
         "blocks": plan_blocks({n: sets[n].shard_paths() for n in plan.selection.rows}, plan.selection.rows,
                               train.seed),
         "heldout": heldout,
-        "cache_rows": plan.tokens * target_config.hidden_size * 2 / train.num_workers <= CACHE_BYTES,
+        "cache_rows": plan.tokens * target_config.hidden_size * 2 * (4 if variant.algorithm == "eagle3" else 1)
+        / train.num_workers <= CACHE_BYTES,
         "metrics_path": str(out / "metrics.jsonl"),
         "threads": worker_threads,
         "fail_at_step": os.environ.get(faults.TRAIN_ENV),

@@ -281,7 +281,7 @@ def test_a_node_limit_cuts_trees_to_their_best_nodes_and_one_node_skips_drafting
     stays vanilla's."""
     proposed, verified = [], []
     run_tree = decoder.run_tree
-    monkeypatch.setattr(decoder, "run_tree", lambda target, tree, cache: verified.append(tree) or run_tree(target, tree, cache))
+    monkeypatch.setattr(decoder, "run_tree", lambda target, tree, cache, layers=None: verified.append(tree) or run_tree(target, tree, cache, layers))
     prompt = random_prompt(peaky_target, 6, 2)
     vanilla = generate(peaky_target, prompt, max_new_tokens=40)
     limits = iter([4] * 5 + [1] * 5)
