@@ -56,15 +56,20 @@ def run_average(args: argparse.Namespace) -> int:
 
 def add_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", metavar="DRAFTER", help="drafter checkpoint folder or release:NAME")
-    parser.add_argument("--format", required=True, choices=["eagle"],
-                        help="eagle: an EAGLE-1/EAGLE-2 folder (SafeAILab layout) that vLLM and SGLang load")
+    parser.add_argument("--format", required=True, choices=["eagle", "eagle3"],
+                        help="eagle: an EAGLE-1/EAGLE-2 folder (SafeAILab layout) for an eagle2/hass drafter; eagle3: "
+                             "an EAGLE-3 folder (SpecForge / SafeAILab EAGLE-3 layout) for an eagle3 drafter")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (an earlier export there is replaced)")
     parser.add_argument("--engine", choices=["sglang", "vllm"], default="sglang",
                         help="the engine the folder is for (default: %(default)s; its layout is also SafeAILab "
-                             "EAGLE's): they differ in the architecture name and in how they treat fc.bias")
+                             "EAGLE's and SpecForge's): they differ in the architecture name, in how they treat "
+                             "fc.bias (eagle) and in how they count the fused target layers (eagle3)")
     parser.add_argument("--drop-fc-bias", action="store_true",
-                        help="write the drafter without its fc bias (needed for vLLM, whose EAGLE head has none; "
-                             "outputs stay exact, acceptance may drop)")
+                        help="eagle only: write the drafter without its fc bias (needed for vLLM, whose EAGLE head "
+                             "has none; outputs stay exact, acceptance may drop)")
+    parser.add_argument("--target", default=None, metavar="MODEL",
+                        help="eagle3 only: the target whose LM head rows the folder carries (default: the one the "
+                             "drafter records, e.g. embedded:smollm2-135m); it must match the drafter's fingerprint")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -77,6 +82,13 @@ def run_export(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from err
     if Path(args.out).resolve() == source.resolve():
         raise UserError(f"--out {args.out!r} is the drafter's own folder; choose another")
+    wanted = "eagle3" if head.algorithm == "eagle3" else "eagle"
+    if args.format != wanted:
+        raise UserError(f"--format {args.format} does not fit this {head.algorithm} drafter: use --format {wanted}")
+    if args.format == "eagle3":
+        return _export_eagle3(args, head, fingerprint, source)
+    if args.target is not None:
+        raise UserError("--target is for --format eagle3 (an EAGLE-1/EAGLE-2 folder carries no LM head)")
     done = export_eagle(head, args.out, fingerprint, engine=args.engine, drop_fc_bias=args.drop_fc_bias,
                         source=source)
     print(f"wrote {done.path} (EAGLE-1/EAGLE-2 for {done.engine}, bias: {str(done.bias).lower()}"
@@ -87,4 +99,27 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         token_map = f" --speculative-token-map {done.token_map}" if done.token_map else ""
         print(f"  SGLang: --speculative-algorithm EAGLE --speculative-draft-model-path {done.path}{token_map}")
+    return 0
+
+
+def _export_eagle3(args: argparse.Namespace, head, fingerprint, source: Path) -> int:
+    """``taps export --format eagle3``: the folder carries the target's LM head rows, so the target is loaded."""
+    from taps_ray.config import TargetConfig
+    from taps_ray.models.eagle3_format import export_eagle3
+    from taps_ray.models.target import TargetModel
+
+    if args.drop_fc_bias:
+        raise UserError("--drop-fc-bias is for --format eagle (an EAGLE-3 fc has no bias)")
+    model = args.target or fingerprint.name
+    target = TargetModel.load(TargetConfig(model=model, device="cpu", dtype="float32"))
+    if problem := target.fingerprint.mismatch(fingerprint):
+        raise UserError(f"--target {model!r} is not the drafter's target: {problem}")
+    done = export_eagle3(head, args.out, fingerprint, target.lm_head.weight, engine=args.engine, source=source)
+    print(f"wrote {done.path} (EAGLE-3 for {done.engine}, fused target layers {done.aux_layer_ids} as "
+          f"{done.engine} counts them)")
+    if done.engine == "vllm":
+        print(f"""  vLLM: LLM(model=..., speculative_config={{"method": "eagle3", "model": "{done.path}", """
+              f""""num_speculative_tokens": 5}})""")
+    else:
+        print(f"  SGLang: --speculative-algorithm EAGLE3 --speculative-draft-model-path {done.path}")
     return 0

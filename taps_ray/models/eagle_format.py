@@ -6,7 +6,7 @@ An EAGLE-1/2 folder holds ``config.json`` (a one-layer Llama config plus a ``bia
 ``layers.0.post_attention_layernorm.weight`` and an optional ``embed_tokens.weight`` (the target's,
 ignored). The architecture is ours: ``fc(concat(embed, feature))``, one Llama layer whose input norm
 is skipped, no final norm; ``layers.0.X`` is our ``layer.X``. EAGLE-3 (``midlayer.*``, ``d2t``/``t2d``)
-is a different architecture and is refused.
+is a different architecture and is refused here (:mod:`taps_ray.models.eagle3_format` reads and writes it).
 
 Export writes one folder per serving engine, because the engines disagree on two points:
 
@@ -39,7 +39,7 @@ from transformers import LlamaConfig
 
 from taps_ray.drafter_sources import ReleaseDrafterError, resolve_drafter_dir
 from taps_ray.models.drafter import (
-    ARCHITECTURE,
+    ARCHITECTURES,
     CONFIG_NAME,
     WEIGHTS_NAME,
     DrafterLoadError,
@@ -239,8 +239,8 @@ def load_eagle(directory: Path, meta: dict, target_config, fingerprint: TargetFi
 # -- export --------------------------------------------------------------------------------------
 
 def load_taps_drafter(spec: str | Path) -> tuple[DraftHead, TargetFingerprint, Path]:
-    """Our own drafter folder (or ``release:NAME``) without loading its target: the sizes come from the
-    drafter config it stores, the fingerprint from its ``target`` record."""
+    """Our own drafter folder (or ``release:NAME``; an EAGLE-2/HASS or an EAGLE-3 head) without loading its
+    target: the sizes come from the drafter config it stores, the fingerprint from its ``target`` record."""
     try:
         directory = resolve_drafter_dir(spec)
     except ReleaseDrafterError as err:
@@ -249,14 +249,18 @@ def load_taps_drafter(spec: str | Path) -> tuple[DraftHead, TargetFingerprint, P
         meta = json.loads((directory / CONFIG_NAME).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise DrafterLoadError(f"drafter {str(spec)!r}: unreadable {CONFIG_NAME}: {err}") from err
-    if meta.get("architecture") != ARCHITECTURE:
+    if meta.get("architecture") not in ARCHITECTURES:
         what = "already an EAGLE checkpoint" if is_eagle_config(meta) else f"architecture {meta.get('architecture')!r}"
-        raise DrafterLoadError(f"drafter {str(spec)!r}: {what}; export takes a {ARCHITECTURE} folder")
+        raise DrafterLoadError(f"drafter {str(spec)!r}: {what}; export takes one of our drafter folders "
+                               f"({', '.join(ARCHITECTURES)})")
     try:
         fingerprint = TargetFingerprint(**meta["target"])
     except (KeyError, TypeError) as err:
         raise DrafterLoadError(f"drafter {str(spec)!r}: {CONFIG_NAME} has no valid target record: {err}") from err
-    head = DraftHead.load(directory, LlamaConfig.from_dict(meta["drafter"]), fingerprint)
+    sizes = LlamaConfig.from_dict(meta["drafter"])
+    if "target_layers" in meta:  # an EAGLE-3 head checks its fused layers against the target's depth
+        sizes.num_hidden_layers = int(meta["target_layers"])
+    head = DraftHead.load(directory, sizes, fingerprint)
     return head, fingerprint, directory
 
 
