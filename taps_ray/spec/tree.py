@@ -293,7 +293,7 @@ class DrafterState:
     None for the last one alone); each pair keeps the drafter's own :attr:`DraftHead.feature_layers` of them.
     :func:`draft_tree` runs the queued pairs first, so after drafting ``committed`` equals the root's
     position. ``compute`` runs the drafter (:class:`DraftCompute`). ValueError when ``layers`` lacks a layer
-    the drafter reads.
+    the drafter reads, or :meth:`add` is given features of another width.
     """
 
     def __init__(self, drafter: DraftHead, compute: DraftCompute = DIRECT, layers: tuple[int, ...] | None = None):
@@ -301,6 +301,7 @@ class DrafterState:
         self.compute = compute
         have = tuple(layers) if layers is not None else (drafter.target_layers,)
         want = drafter.feature_layers
+        self.layers, self.width = have, len(have) * drafter.config.hidden_size
         self.columns = None if have == want else layer_columns(have, want, drafter.config.hidden_size)
         self.cache = drafter.new_cache()
         self.committed = 0
@@ -312,6 +313,10 @@ class DrafterState:
     def add(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Queue pairs: ``tokens`` [m] are token_{i+1}, ``features`` [m, F] are the target's f_i."""
         features = features.reshape(tokens.numel(), -1)
+        if features.shape[1] != self.width:
+            raise ValueError(f"features of width {features.shape[1]} for a drafter state over target hidden states "
+                             f"{list(self.layers)} (width {self.width}): the strategy's feature_layers must name the "
+                             f"layers its features hold")
         if self.columns is not None:
             if self.columns.device != features.device:
                 self.columns = self.columns.to(features.device)

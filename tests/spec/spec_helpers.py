@@ -17,12 +17,14 @@ from tests.conftest import data_dir, make_tiny_target
 BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
 
 
-def peaky_tiny_target(seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, scale: float = 4.0) -> TargetModel:
+def peaky_tiny_target(seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, scale: float = 4.0,
+                      layers: int = 2) -> TargetModel:
     """A tiny random Llama with an untied LM head of logit scale ~``scale`` and layers strong enough for
     the context to matter, so next-token distributions are peaked and greedy text does not collapse
     into one repeated token (as it does with the default init and tied embeddings). The EOS row of the
     head is zero (logit 0), so EOS is rare under greedy decoding; tests choose their own stop tokens."""
-    return make_peaky(make_tiny_target(seed, vocab_size=vocab_size, hidden_size=hidden_size), seed, scale)
+    return make_peaky(make_tiny_target(seed, vocab_size=vocab_size, hidden_size=hidden_size, layers=layers), seed,
+                      scale)
 
 
 def make_peaky(target: TargetModel, seed: int = 0, scale: float = 4.0) -> TargetModel:
@@ -94,6 +96,19 @@ def sharp_drafter(target: TargetModel, seed: int = 0, gain: float = 4.0):
                 param.mul_(gain)
     return drafter
 
+
+def sharp_eagle3(target: TargetModel, seed: int = 0, gain: float = 4.0, vocab: torch.Tensor | None = None):
+    """A fresh EAGLE-3 drafter (the target needs >= 5 layers) with matrices and its final norm scaled by
+    ``gain``: peaked draft distributions, as :func:`sharp_drafter`; ``vocab``: its draft vocabulary."""
+    from taps_ray.models.eagle3 import Eagle3Head
+
+    drafter = Eagle3Head(target.config, draft_to_target=vocab, seed=seed).eval()
+    with torch.no_grad():
+        for param in drafter.parameters():
+            if param.dim() == 2:
+                param.mul_(gain)
+        drafter.norm.weight.mul_(gain)
+    return drafter
 
 
 def bigram_target(seed: int = 0, vocab_size: int = 256, hidden_size: int = 64):

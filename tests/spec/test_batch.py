@@ -41,6 +41,7 @@ from tests.spec.spec_helpers import (
     next_token_laws,
     peaky_tiny_target,
     random_prompt,
+    sharp_eagle3,
 )
 
 TREE = TreeConfig(depth=3, top_k=3, total_tokens=10, lookup_tokens=0)
@@ -102,6 +103,27 @@ def _sliding_target(window: int):
     return TargetModel(MistralForCausalLM(config).eval(), tokenizer=None, name="tiny-mistral")
 
 
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_forward_batch_returns_each_call_the_layers_it_asked_for(engine):
+    """Calls asking for an EAGLE-3 drafter's layers, for a union with the last hidden state, or for nothing
+    share one forward; each gets the features of its own layers, as its forward alone would."""
+    target = peaky_tiny_target(3, vocab_size=64, hidden_size=32, layers=6)
+    if engine == "hf":
+        target.engine = None
+    asks = [(2, 3, 3), None, (6, 2, 3)]
+    batched_calls, solo_calls = _calls(target), _calls(target)
+    for call, solo, layers in zip(batched_calls, solo_calls, asks):
+        call.layers = solo.layers = layers
+    for call, solo, out in zip(batched_calls, solo_calls, forward_batch(target, batched_calls)):
+        mask = None if solo.mask is None else solo.mask[None, None]
+        expected = target.forward(solo.tokens[None], solo.positions[None], solo.cache, mask, layers=solo.layers)
+        assert (out.features is None) == (call.layers is None)
+        if call.layers is not None:
+            assert out.features.shape == (1, call.tokens.numel(), 3 * 32)
+            torch.testing.assert_close(out.features, expected.features, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.drafter_features, expected.drafter_features, rtol=1e-4, atol=1e-4)
+
+
 def test_forward_batch_of_one_is_the_target_forward(peaky_target):
     (call,), (solo,) = _calls(peaky_target)[:1], _calls(peaky_target)[:1]
     out = forward_batch(peaky_target, [call])[0]
@@ -137,6 +159,22 @@ def test_greedy_requests_decoded_together_equal_each_decoded_alone(peaky_target)
     assert max(batcher.sizes) <= 4
     prefills = len(prompts)
     assert sum(size * count for size, count in batcher.sizes.items()) == sum(len(r.steps) for r in together) + prefills
+
+
+def test_eagle3_and_eagle2_requests_decoded_together_equal_each_decoded_alone():
+    target = peaky_tiny_target(2, layers=8)
+    prompts = [random_prompt(target, n, seed=s) for s, n in enumerate([6, 11, 4, 9])]
+    strategies = [SingleStrategy(sharp_eagle3(target, 1), TREE), SingleStrategy(DraftHead(target.config, seed=2), TREE),
+                  None, SingleStrategy(sharp_eagle3(target, 3), TREE)]
+    alone = [generate(target, p, copy.deepcopy(s), max_new_tokens=20, eos_token_ids=frozenset())
+             for p, s in zip(prompts, strategies)]
+    together, batcher = generate_together(target, prompts, strategies, max_batch=4, wait_s=0.05,
+                                          max_new_tokens=20, eos_token_ids=frozenset())
+    vanilla = [generate(target, p, None, max_new_tokens=20, eos_token_ids=frozenset()) for p in prompts]
+    for mine, theirs, plain in zip(together, alone, vanilla):
+        assert mine.token_ids == theirs.token_ids == plain.token_ids
+        assert mine.accept_lengths == theirs.accept_lengths
+    assert max(batcher.sizes) > 1, f"no batch formed: {dict(batcher.sizes)}"
 
 
 def test_a_failing_batch_fails_every_request_in_it(peaky_target):

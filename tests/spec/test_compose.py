@@ -24,7 +24,14 @@ from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.strategy import STRATEGY_NAMES, parse_strategy
 from taps_ray.spec.tree import DrafterState, draft_tree
 from tests.conftest import make_tiny_target
-from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
+from tests.spec.spec_helpers import (
+    bigram_target,
+    oracle_drafter,
+    peaky_tiny_target,
+    random_prompt,
+    sharp_drafter,
+    sharp_eagle3,
+)
 
 TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0, adaptive=False)
 ALL = ["single", "averaged", "routed:confidence", "routed:confidence:request", "routed:entropy",
@@ -385,3 +392,60 @@ def test_common_support():
     state = DrafterState(b)
     with pytest.raises(ValueError, match="misses 5 of the drafter's 15 draft ids"):
         state.support_rows(target, ids[:15])
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """A contextual target deep enough for EAGLE-3 drafters (8 layers: they read hidden states 2, 4, 5)."""
+    return peaky_tiny_target(5, layers=8)
+
+
+def eagle3_pool(target, name: str) -> dict:
+    """EAGLE-3 drafters for ``name``: two for averaged, else an EAGLE-3 head on a reduced vocabulary beside a
+    full-vocabulary one and an EAGLE-2 head (single takes the first)."""
+    if name == "averaged":
+        return {"a": sharp_eagle3(target, 1), "b": sharp_eagle3(target, 2)}
+    return {"e3": sharp_eagle3(target, 1, vocab=torch.arange(2, 200)), "e2": sharp_drafter(target, 2),
+            "e3b": sharp_eagle3(target, 3)}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("name", ALL)
+def test_eagle3_drafters_keep_greedy_output_equal_to_vanilla(deep, name, adaptive):
+    """Every strategy with EAGLE-3 heads, alone, averaged, routed or merged with an EAGLE-2 head: greedy output
+    is vanilla's; a composed strategy asks the target for the union of its drafters' layers."""
+    tree = TREE.model_copy(update={"adaptive": adaptive})
+    for seed in (1, 2):
+        prompt = random_prompt(deep, 8, seed)
+        vanilla = generate(deep, prompt, max_new_tokens=32)
+        strategy = build_strategy(name, eagle3_pool(deep, name), tree, probe_steps=1, recheck_every=2)
+        spec = generate(deep, prompt, strategy, max_new_tokens=32)
+        assert spec.token_ids == vanilla.token_ids
+        assert sum(s.appended for s in spec.steps) + 1 == len(spec.token_ids)
+    expected = (2, 4, 5) if name in ("single", "averaged") else (2, 4, 5, 8)
+    assert tuple(strategy.feature_layers) == expected
+
+
+def test_merged_eagle2_and_eagle3_trees_are_each_drafters_own(deep):
+    """In a merged strategy each drafter drafts from its own layers: its tree equals the one it drafts alone
+    (the same nodes; scores differ only by the merged strategy's common support)."""
+    pool = eagle3_pool(deep, "merged:union")
+    prompt = random_prompt(deep, 9, 4)
+    merged = spy(SpyMerged, pool)
+    generate(deep, prompt, merged, max_new_tokens=6, eos_token_ids=frozenset())
+    first = merged.log[0]
+    for i, drafter in enumerate(pool.values()):
+        alone = SingleStrategy(drafter, TREE)
+        alone.name = "single"
+        solo: list = []
+        original = alone.propose
+        alone.propose = lambda state, original=original, solo=solo: solo.append(original(state)) or solo[-1]
+        generate(deep, prompt, alone, max_new_tokens=2, eos_token_ids=frozenset())
+        assert torch.equal(first["drafted"][i].tokens, solo[0].tokens)
+        assert torch.equal(first["drafted"][i].parent, solo[0].parent)
+
+
+def test_averaging_across_architectures_is_refused_naming_both(deep):
+    with pytest.raises(ValueError, match=r"cannot average drafter 0 \(TapsEagle3Head, eagle3.*with drafter 1 "
+                                         r"\(TapsDraftHead, eagle2"):
+        build_strategy("averaged", [sharp_eagle3(deep, 1), sharp_drafter(deep, 2)], TREE)

@@ -27,7 +27,14 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.verify import Verdict, process_logits, verify_sampling
 from tests.conftest import make_tiny_target
-from tests.spec.spec_helpers import chi_square_p_value, joint_law, make_peaky, next_token_laws, random_prompt
+from tests.spec.spec_helpers import (
+    chi_square_p_value,
+    joint_law,
+    make_peaky,
+    next_token_laws,
+    random_prompt,
+    sharp_eagle3,
+)
 
 V = 8
 M = 4
@@ -56,6 +63,7 @@ class FirstTree:
 
     def __init__(self, inner):
         self.inner, self.name, self.children = inner, inner.name, []
+        self.feature_layers = getattr(inner, "feature_layers", None)
 
     def start(self, target, tokens, features):
         self.inner.start(target, tokens, features)
@@ -77,11 +85,11 @@ class Draws:
     """n requests of M tokens through ``generate``: ``counts`` [V ** M] of (t1..t4), ``steps`` per request,
     ``first`` [n] (t1) and ``children`` (the first tree's root children, best-scored first) per request."""
 
-    def __init__(self, strategy, sampling: dict, n: int):
+    def __init__(self, strategy, sampling: dict, n: int, target=TARGET, prefix=PREFIX):
         recorder = FirstTree(strategy)
         cells, self.steps, first = collections.Counter(), [], []
         for seed in range(n):
-            result = decoder.generate(TARGET, PREFIX, recorder, SamplingConfig(seed=seed, **sampling),
+            result = decoder.generate(target, prefix, recorder, SamplingConfig(seed=seed, **sampling),
                                       max_new_tokens=M, eos_token_ids=frozenset(), collect_entropy=False)
             cells[sum(t * V ** (M - 1 - i) for i, t in enumerate(result.token_ids))] += 1
             self.steps.append(result.steps)
@@ -136,8 +144,8 @@ def make(name: str):
     return build_strategy(name, drafters, TREE, probe_steps=1)
 
 
-def laws(sampling: dict) -> list[torch.Tensor]:
-    return next_token_laws(TARGET, PREFIX, M, sampling["temperature"], sampling.get("top_p", 1.0),
+def laws(sampling: dict, target=TARGET, prefix=PREFIX) -> list[torch.Tensor]:
+    return next_token_laws(target, prefix, M, sampling["temperature"], sampling.get("top_p", 1.0),
                            sampling.get("top_k", 0))
 
 
@@ -180,6 +188,49 @@ def test_first_tokens_follow_the_target_law(name, sampling, wrong):
     z = draws.root_acceptance_z(exact[1])
     assert abs(z) < Z_MAX, f"{name}: P(accept a child of the root) != target mass on the children (z = {z:.1f})"
     check_used_every_drafter(name, draws)
+
+
+DEEP = make_peaky(make_tiny_target(3, vocab_size=V, hidden_size=32, layers=5), 3, scale=1.5)
+DEEP_PREFIX = random_prompt(DEEP, 5, seed=2)
+
+
+def eagle3_strategy(name: str):
+    """EAGLE-3 heads on the 5-layer target: two full-vocabulary heads (single takes the first; averaged), one
+    beside a head on a reduced vocabulary (routed), an EAGLE-2 and an EAGLE-3 head on two vocabularies (merged)."""
+    low, high = torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([2, 3, 4, 5, 6, 7])
+    if name in ("averaged", "single"):
+        drafters = {"a": sharp_eagle3(DEEP, 3, 1.0), "b": sharp_eagle3(DEEP, 4, 1.0)}
+    elif name == "merged:union":
+        eagle2 = DraftHead(DEEP.config, draft_to_target=low, seed=1).eval()
+        with torch.no_grad():
+            for param in eagle2.parameters():
+                param.mul_(3.0) if param.dim() == 2 else None
+        drafters = {"low": eagle2, "high": sharp_eagle3(DEEP, 2, 1.0, high)}
+    else:
+        drafters = {"a": sharp_eagle3(DEEP, 3, 1.0), "high": sharp_eagle3(DEEP, 2, 1.0, high)}
+    return build_strategy(name, drafters, TREE, probe_steps=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, sampling, wrong", [
+    ("single", {"temperature": 1.0}, {"temperature": 0.8}),
+    ("averaged", {"temperature": 0.8, "top_k": 3}, {"temperature": 0.8}),
+    ("routed:confidence:step", {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7}),
+    ("merged:union", {"temperature": 0.9, "top_p": 0.85}, {"temperature": 0.9}),
+])
+def test_eagle3_drafters_keep_the_first_tokens_on_the_target_law(name, sampling, wrong):
+    n = 400
+    exact = laws(sampling, DEEP, DEEP_PREFIX)
+    joint = joint_law(exact)
+    draws = Draws(eagle3_strategy(name), sampling, n, DEEP, DEEP_PREFIX)
+    assert draws.counts[joint == 0].sum() == 0, "a token outside the top-p / top-k support was generated"
+    p_value = chi_square_p_value(draws.counts, joint)
+    assert p_value > P_VALUE, f"{name}: samples do not follow the target law (p = {p_value:.2e})"
+    control = chi_square_p_value(draws.counts, joint_law(laws(wrong, DEEP, DEEP_PREFIX)))
+    assert control < P_VALUE, f"{name}: the test cannot tell a nearby wrong law apart (p = {control:.2e})"
+    assert draws.leaf_bonuses() >= n // 10, "too few bonuses drawn at an accepted leaf were observed"
+    z = draws.root_acceptance_z(exact[1])
+    assert abs(z) < Z_MAX, f"{name}: P(accept a child of the root) != target mass on the children (z = {z:.1f})"
 
 
 @pytest.mark.slow

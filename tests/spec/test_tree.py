@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from taps_ray.config import TreeConfig
 from taps_ray.spec.tree import DrafterState, build_tree, draft_tree, merge_trees, repeated_siblings, rerank
-from tests.spec.spec_helpers import peaky_tiny_target, random_prompt, sharp_drafter
+from tests.spec.spec_helpers import peaky_tiny_target, random_prompt, sharp_drafter, sharp_eagle3
 
 TARGET = peaky_tiny_target(0)
 DRAFTERS = [sharp_drafter(TARGET, seed) for seed in range(3)]
@@ -43,14 +43,15 @@ def node_paths(tree) -> dict[tuple[int, ...], float]:
     return out
 
 
-def reference_tree(drafter, tokens, features, cfg: TreeConfig) -> dict[tuple[int, ...], float]:
+def reference_tree(drafter, tokens, features, cfg: TreeConfig, target=TARGET) -> dict[tuple[int, ...], float]:
     """EAGLE-2 one node at a time: every expanded node's drafter feature recomputed by a causal pass over
-    the whole sequence (no cache, no tree mask); rerank by sorting Python lists."""
-    weight = TARGET.lm_head.weight
+    the whole sequence (no cache, no tree mask); rerank by sorting Python lists. ``features`` [n, H] are the
+    drafter's inputs (fused target features)."""
+    weight = target.lm_head.weight
 
     def last_feature(toks: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(toks.numel())[None]
-        return drafter(TARGET.embed_tokens(toks)[None], feats[None], positions)[0, -1]
+        return drafter(target.embed_tokens(toks)[None], feats[None], positions)[0, -1]
 
     def top(feature: torch.Tensor):
         logp = torch.log_softmax(drafter.logits(feature[None], weight)[0], -1)
@@ -91,6 +92,49 @@ def test_draft_tree_equals_per_node_reference(cfg):
     assert set(got) == set(expected)
     for path, score in expected.items():
         assert got[path] == pytest.approx(score, rel=1e-5, abs=1e-4)
+
+
+DEEP = peaky_tiny_target(4, layers=8)
+
+
+@pytest.mark.parametrize("cfg", [TreeConfig(depth=2, top_k=3, total_tokens=10),
+                                 TreeConfig(depth=3, top_k=4, total_tokens=30)])
+def test_eagle3_tree_equals_per_node_reference_on_fused_target_layers(cfg):
+    """An EAGLE-3 drafter fuses the target's three layers at the committed pairs and feeds its own pre-norm
+    outputs back at deeper levels; scores are of its final-normed outputs."""
+    drafter = sharp_eagle3(DEEP, 1)
+    seq = random_prompt(DEEP, 10, 3)
+    tokens, features = seq[1:], DEEP.hidden_states(seq[None, :-1], layers=drafter.feature_layers)[0]
+    assert features.shape == (9, 3 * DEEP.hidden_size)
+    state = DrafterState(drafter, layers=drafter.feature_layers)
+    state.add(tokens, features)
+    got = node_paths(draft_tree(drafter, DEEP, state, cfg))
+    with torch.inference_mode():
+        expected = reference_tree(drafter, tokens, drafter.fuse(features), cfg, DEEP)
+    assert set(got) == set(expected)
+    for path, score in expected.items():
+        assert got[path] == pytest.approx(score, rel=1e-5, abs=1e-4)
+
+
+def test_each_drafter_state_reads_its_own_layers_of_a_union():
+    """Features laid out as a strategy's union of layers: each state keeps its drafter's columns, so the trees
+    equal those drafted from features of exactly the drafter's layers; a layout missing a layer is refused."""
+    eagle3, eagle2 = sharp_eagle3(DEEP, 2), sharp_drafter(DEEP, 3)
+    union = (8, 2, 4, 5)
+    seq = random_prompt(DEEP, 9, 5)
+    tokens = seq[1:]
+    features = DEEP.hidden_states(seq[None, :-1], layers=union)[0]
+    cfg = TreeConfig(depth=2, top_k=3, total_tokens=10)
+    for drafter, own in ((eagle3, DEEP.hidden_states(seq[None, :-1], layers=eagle3.feature_layers)[0]),
+                         (eagle2, DEEP.hidden_states(seq[None, :-1])[0])):
+        shared, alone = DrafterState(drafter, layers=union), DrafterState(drafter, layers=drafter.feature_layers)
+        shared.add(tokens, features)
+        alone.add(tokens, own)
+        a, b = draft_tree(drafter, DEEP, shared, cfg), draft_tree(drafter, DEEP, alone, cfg)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score)
+    with pytest.raises(ValueError, match=r"target features hold hidden states \[8\]; a drafter needs \[2, 4, 5\] "
+                                         r"\(missing \[2, 4, 5\]\)"):
+        DrafterState(eagle3)
 
 
 def test_incremental_drafter_cache_equals_one_pass():

@@ -417,3 +417,128 @@ def test_ddp_wrapped_drafter_matches_plain(target, batch, tmp_path):
     torch.testing.assert_close(out.total, ref.total)
     for (name, a), b in zip(ddp.module.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """A peaky target deep enough for an EAGLE-3 drafter (8 layers: it reads hidden states 2, 4 and 5)."""
+    from tests.spec.spec_helpers import make_peaky
+
+    return make_peaky(make_tiny_target(3, vocab_size=128, hidden_size=32, layers=8), 3)
+
+
+@pytest.fixture(scope="module")
+def eagle3_batch(deep, batch):
+    """``batch``'s rows with EAGLE-3 features: hidden states 2, 4, 5 and the last one (8), [B, T, 4H]."""
+    hidden = deep.hidden_states(batch["input_ids"], batch["attention_mask"], layers=(2, 4, 5, 8)).clone()
+    return {**batch, "hidden": hidden}
+
+
+def eagle3_for(target, seed=1):
+    from taps_ray.models.eagle3 import Eagle3Head
+
+    return Eagle3Head(target.config, seed=seed)
+
+
+def test_eagle3_config_unrolls_ttt_steps():
+    assert ObjectiveConfig(algorithm="eagle3").passes == 3
+    assert ObjectiveConfig(algorithm="eagle3", ttt_steps=5).passes == 5
+    assert ObjectiveConfig(algorithm="hass", ttt_steps=5).passes == 3
+    with pytest.raises(ValidationError):
+        ObjectiveConfig(algorithm="eagle3", ttt_steps=0)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_eagle3_unrolled_step_matches_the_tree_state_on_fused_layers(deep, eagle3_batch, depth):
+    """Step k of training-time test is the drafter at depth k of a tree: fc of the three target layers up to
+    t - k + 1, then its own pre-norm outputs."""
+    embed = deep.embed_tokens
+    drafter = eagle3_for(deep)
+    ids, hidden = eagle3_batch["input_ids"], eagle3_batch["hidden"]
+    n = ids.shape[1] - 1
+    embeds = embed(ids[:, 1:])
+    features = hidden[:, :-1, :96]
+    with torch.no_grad():
+        outs = drafter_passes(drafter, embeds, features, torch.arange(n).expand(ids.shape[0], n), depth)
+        fused = drafter.fuse(features)
+        for b, length in enumerate(LENGTHS):
+            for t in range(depth - 1, length - 1):
+                ref = chain_reference(drafter, embeds[b : b + 1], fused[b : b + 1], t, depth)
+                torch.testing.assert_close(outs[depth - 1][b, t], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_eagle3_loss_is_the_soft_ce_at_every_step_without_feature_regression_or_noise(deep, eagle3_batch):
+    head, embed = deep.lm_head.weight, deep.embed_tokens
+    drafter = eagle3_for(deep)
+    cfg = ObjectiveConfig(algorithm="eagle3", ttt_steps=2)
+    out = drafter_loss(drafter, eagle3_batch, embed, head, cfg, generator=torch.Generator().manual_seed(0))
+    assert set(out.parts) == {"loss", "ce", "pass1/loss", "pass1/ce", "pass2/loss", "pass2/ce"}
+    quiet = drafter_loss(drafter, eagle3_batch, embed, head, cfg.model_copy(update={"noise": "none"}))
+    assert torch.equal(out.total, quiet.total), "EAGLE-3 adds no input noise"
+    ids, hidden = eagle3_batch["input_ids"], eagle3_batch["hidden"]
+    n = ids.shape[1] - 1
+    embeds = embed(ids[:, 1:])
+    scored = set(scored_positions(eagle3_batch))
+    with torch.no_grad():
+        outs = drafter_passes(drafter, embeds, hidden[:, :-1, :96], torch.arange(n).expand(ids.shape[0], n), 2)
+    for k, positions in ((1, sorted(scored)), (2, [(b, t) for b, t in sorted(scored) if (b, t - 1) in scored])):
+        ces = []
+        for b, i in positions:
+            p = torch.softmax(head @ hidden[b, i + 1, 96:], -1)
+            ces.append(-(p * torch.log_softmax(head @ drafter.norm(outs[k - 1][b, i]), -1)).sum())
+        assert out.parts[f"pass{k}/ce"] == pytest.approx(float(torch.stack(ces).mean().detach()), rel=1e-4)
+        assert out.parts[f"pass{k}/loss"] == out.parts[f"pass{k}/ce"]
+    assert float(out.total) == pytest.approx((out.parts["pass1/ce"] + out.parts["pass2/ce"]) / 2, rel=1e-6)
+
+
+def test_eagle3_gradient_flows_through_the_unroll(deep, eagle3_batch):
+    """The fed-back outputs are not detached (hass_detach does not apply): the gradient equals that of the
+    mean step loss over undetached passes, and differs from the detached one."""
+    head, embed = deep.lm_head.weight, deep.embed_tokens
+    cfg = ObjectiveConfig(algorithm="eagle3", ttt_steps=2)
+    grads = []
+    for detach_flag in (True, False):
+        drafter = eagle3_for(deep)
+        drafter_loss(drafter, eagle3_batch, embed, head, cfg.model_copy(update={"hass_detach": detach_flag})
+                     ).total.backward()
+        grads.append(drafter.fc.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    ids, hidden = eagle3_batch["input_ids"], eagle3_batch["hidden"]
+    n = ids.shape[1] - 1
+    scored = torch.tensor([[(b, i) in set(scored_positions(eagle3_batch)) for i in range(n)] for b in range(len(ids))])
+    head = head.detach()
+    p = torch.softmax(hidden[:, 1:, 96:] @ head.T, -1)[scored]
+    for detach, equal in ((False, True), (True, False)):
+        drafter = eagle3_for(deep)
+        outs = drafter_passes(drafter, embed(ids[:, 1:]), hidden[:, :-1, :96],
+                              torch.arange(n).expand(len(ids), n), 2, detach=detach)
+        losses = []
+        for k, out in enumerate(outs, start=1):
+            weight = chain_scored(scored, k)[scored].float()
+            ce = -(p * torch.log_softmax(drafter.logits(out[scored], head), -1)).sum(-1)
+            losses.append((ce * weight).sum() / weight.sum())
+        torch.stack(losses).mean().backward()
+        assert torch.allclose(drafter.fc.weight.grad, grads[0], rtol=1e-4, atol=1e-6) == equal
+
+
+def test_eagle3_needs_the_three_layers_and_the_last(deep, batch):
+    deep_last = {**batch, "hidden": deep.hidden_states(batch["input_ids"], batch["attention_mask"])}
+    with pytest.raises(ValueError, match="a eagle3 drafter trains on 4 hidden state"):
+        drafter_loss(eagle3_for(deep), deep_last, deep.embed_tokens, deep.lm_head.weight,
+                     ObjectiveConfig(algorithm="eagle3"))
+
+
+def test_eagle3_training_raises_held_out_accuracy(deep, eagle3_batch):
+    head, embed = deep.lm_head.weight, deep.embed_tokens
+    drafter = eagle3_for(deep)
+    cfg = ObjectiveConfig(algorithm="eagle3")
+    before = drafter_loss(drafter, eagle3_batch, embed, head, cfg).parts["loss"]
+    acc_before = unrolled_accuracy(drafter, eagle3_batch, embed, head, 3)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(40):
+        optimizer.zero_grad()
+        drafter_loss(drafter, eagle3_batch, embed, head, cfg).total.backward()
+        optimizer.step()
+    assert drafter_loss(drafter, eagle3_batch, embed, head, cfg).parts["loss"] < before - 0.5
+    acc = unrolled_accuracy(drafter, eagle3_batch, embed, head, 3)
+    assert sum(acc) > sum(acc_before) + 0.5 and simulated_tau(acc) > 1.5
