@@ -143,3 +143,19 @@ def test_example_overrides_in_docstrings_and_help_are_keys_that_exist():
     for example in examples["sweep"]:
         key, value = example.split("=", 1)
         assert _value_at(load_spec(REPO / "tune/mixture.yaml", overrides=[example]), key) == yaml.safe_load(value)
+
+
+def test_eagle3_is_an_algorithm_of_variants_and_sweeps():
+    from taps_ray.sweeps.config import _check_mixture_value
+
+    cfg = load_config(None, ["data.datasets={math: {domain: math, alternatives: [{kind: gsm8k_test_split}]}}",
+                             "mixtures={m: {counts: {math: 4}}}",
+                             "variants=[{name: e3, mixture: m, algorithm: eagle3, objective: {ttt_steps: 2}}]"])
+    variant = cfg.variants[0]
+    assert variant.algorithm == "eagle3" and variant.objective_config().passes == 2
+    assert cfg.variant_train(variant).stage2 is None
+    _check_mixture_value("algorithm", "eagle3")
+    with pytest.raises(ValueError, match="algorithm must be eagle2, hass or eagle3, got 'eagle4'"):
+        _check_mixture_value("algorithm", "eagle4")
+    with pytest.raises(ConfigError, match="eagle3"):
+        load_config(None, ["variants=[{name: x, mixture: m, algorithm: eagle4}]"])

@@ -177,3 +177,42 @@ def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, 
     stored = [json.loads(line) for path in (tmp_path / "regenerations").glob("*.jsonl")
               for line in path.read_text().splitlines()]
     assert len(stored) == 2 and all(entry["response"] for entry in stored)
+
+
+def test_eagle3_feature_sets_store_the_three_layers_and_change_the_key():
+    """A dataset an eagle3 variant reads (or every dataset under ``data.features.layers: eagle3``) stores
+    hidden states 2, L/2, L-3 and L; its key changes, the key of a last-state set does not."""
+    fp = {"name": "a", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
+    datasets = ("data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}, "
+                "math: {domain: math, alternatives: [{kind: gsm8k_test_split}]}}")
+    mixtures = "mixtures={m: {counts: {math: 4}}, c: {counts: {chat: 4}}}"
+    plain = load_config(None, [datasets, mixtures, "variants=[{name: v, mixture: c}]"])
+    eagle3 = load_config(None, [datasets, mixtures, "variants=[{name: v, mixture: c}, "
+                                                    "{name: w, mixture: m, algorithm: eagle3}]"])
+    forced = load_config(None, [datasets, mixtures, "data.features.layers=eagle3"])
+    last = load_config(None, [datasets, mixtures, "variants=[{name: w, mixture: m, algorithm: eagle3}]",
+                              "data.features.layers=last"])
+    assert [feature_sets.feature_kind(eagle3, n) for n in ("math", "chat")] == ["eagle3", "last"]
+    assert feature_sets.feature_kind(forced, "chat") == "eagle3" and feature_sets.feature_kind(last, "math") == "last"
+    base = {n: feature_set_path(plain, n, fp) for n in ("math", "chat")}
+    assert base["math"].name == "math-" + feature_sets.feature_key(fp, plain.data.datasets["math"], 384,
+                                                                    plain.data.features.regeneration)
+    assert feature_set_path(eagle3, "chat", fp) == base["chat"] == feature_set_path(last, "chat", fp)
+    assert feature_set_path(eagle3, "math", fp) != base["math"]
+    assert feature_set_path(forced, "math", fp) == feature_set_path(eagle3, "math", fp)
+    assert feature_sets.stored_layers("eagle3", 30) == (2, 15, 27, 30)
+    assert feature_sets.stored_layers("last", 30) == (30,)
+
+
+def test_rows_decode_the_layers_a_drafter_needs():
+    """The last hidden state ends every row: an EAGLE-2 drafter reads the last H columns of an EAGLE-3 row,
+    an EAGLE-3 drafter all four blocks; a row of the last state alone is refused for EAGLE-3, naming the fix."""
+    hidden = torch.arange(3 * 4 * 8, dtype=torch.bfloat16).view(3, 32)
+    row = {"row_id": 5, "length": 3, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+           "hidden": hidden.contiguous().view(torch.int16).numpy().tobytes()}
+    assert torch.equal(feature_sets.decode_row(row, 8)["hidden"], hidden[:, 24:])
+    assert torch.equal(feature_sets.decode_row(row, 8, 4)["hidden"], hidden)
+    narrow = {**row, "hidden": hidden[:, 24:].contiguous().view(torch.int16).numpy().tobytes()}
+    with pytest.raises(ValueError, match=r"feature row 5 stores 1 hidden state\(s\) of size 8, 4 needed: .*"
+                                         r"data.features.layers: eagle3"):
+        feature_sets.decode_row(narrow, 8, 4)
