@@ -83,8 +83,18 @@ class DraftSessions:
         return rid in self._sessions
 
     def swap(self, drafter: DraftHead) -> None:
-        """Draft new sessions with ``drafter``; running sessions keep theirs."""
+        """Draft new sessions with ``drafter``; running sessions keep theirs. ValueError (nothing swapped) when
+        ``drafter`` reads other target layers than the served one: the verifiers ship each drafter its layers."""
+        if drafter.feature_layers != self.drafter.feature_layers:
+            raise ValueError(f"cannot swap a {self.drafter.architecture} drafter reading target layers "
+                             f"{list(self.drafter.feature_layers)} for a {drafter.architecture} one reading "
+                             f"{list(drafter.feature_layers)}: serve it as another drafter")
         self.drafter = drafter
+
+    def layers(self) -> list[int]:
+        """The target hidden states the served drafter reads (its ``feature_layers``), which a session's
+        ``features`` hold, concatenated."""
+        return list(self.drafter.feature_layers)
 
     def vocabulary(self) -> torch.Tensor | None:
         """The draft vocabulary new sessions draft with: sorted target ids [V_draft] on the CPU, None for
@@ -94,7 +104,8 @@ class DraftSessions:
 
     def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
                 support: torch.Tensor | None = None, depth: int | None = None) -> dict:
-        """Add the pairs ``tokens`` [m] / ``features`` [m, H] that follow the first ``offset`` pairs of
+        """Add the pairs ``tokens`` [m] / ``features`` [m, F] (the target hidden states :meth:`layers`,
+        concatenated) that follow the first ``offset`` pairs of
         request ``rid`` and draft a tree rooted at the last token, no deeper than node depth ``depth`` (None:
         the deployment's tree; see :class:`~taps_ray.spec.protocol.DecodeState`).
 
@@ -117,7 +128,7 @@ class DraftSessions:
                 if offset != 0:
                     self.resends += 1
                     return {"need": 0}
-                state = DrafterState(self.drafter, self.compute)
+                state = DrafterState(self.drafter, self.compute, layers=self.drafter.feature_layers)
                 try:
                     state.support_rows(self.target, support)
                 except ValueError as err:
@@ -236,6 +247,9 @@ class Drafter:
 
     def vocabulary(self) -> torch.Tensor | None:
         return self.sessions.vocabulary()
+
+    def layers(self) -> list[int]:
+        return self.sessions.layers()
 
     async def propose(self, rid: str, offset: int, tokens: torch.Tensor, features: torch.Tensor,
                       support: torch.Tensor | None = None, depth: int | None = None) -> dict:

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.models.target import TargetModel
+from taps_ray.models.target import TargetModel, layer_columns, union_layers
 from taps_ray.serving.plan import Plan
 from taps_ray.spec.compose import RequestRoute, compose_trees, union_support
 from taps_ray.spec.lookup import graft_lookup
@@ -51,6 +51,8 @@ class DrafterClient(Protocol):
 
     def vocabulary(self) -> Reply: ...
 
+    def layers(self) -> Reply: ...
+
     def end(self, rid: str) -> None: ...
 
 
@@ -66,6 +68,9 @@ class HandleClient:
 
     def vocabulary(self) -> Reply:
         return _HandleReply(self.handle.vocabulary.remote())
+
+    def layers(self) -> Reply:
+        return _HandleReply(self.handle.layers.remote())
 
     def end(self, rid: str) -> None:
         self.handle.end.remote(rid)
@@ -116,6 +121,24 @@ def plan_support(plan: Plan, clients: dict[str, DrafterClient], vocab_size: int,
     return support, False
 
 
+def drafter_layers(names, clients: dict[str, DrafterClient], timeout_s: float) -> dict[str, tuple[int, ...]]:
+    """The target hidden states each drafter of ``names`` reads (its ``feature_layers``), asked in parallel;
+    a drafter that does not answer within ``timeout_s`` is left out (logged)."""
+    deadline = time.monotonic() + timeout_s
+    pending, out = {}, {}
+    for name in names:
+        try:
+            pending[name] = clients[name].layers()
+        except Exception as err:
+            log.warning("drafter %s: asking its feature layers failed: %r", name, err)
+    for name, reply in pending.items():
+        try:
+            out[name] = tuple(int(i) for i in reply.result(deadline - time.monotonic()))
+        except Exception as err:
+            log.warning("drafter %s: asking its feature layers failed: %r", name, err)
+    return out
+
+
 class RemoteStrategy:
     """A :class:`~taps_ray.spec.protocol.Strategy` whose drafters live elsewhere (see module docs).
 
@@ -127,12 +150,21 @@ class RemoteStrategy:
     asking (its node limit) costs the drafters nothing: the pairs they miss go with their next call.
     Each step's notes: ``answered`` (drafters whose tree arrived), ``skipped`` (name -> reason) and
     ``compute_s`` (the slowest answering drafter's own seconds).
+    ``layers`` (drafter name -> the target hidden states it reads, for every drafter of the plan; None: all
+    read the last hidden state): the strategy's ``feature_layers`` is their union, and each drafter is sent
+    its own layers' columns of the features (ValueError when ``layers`` misses a drafter of the plan).
     """
 
     def __init__(self, rid: str, plan: Plan, clients: dict[str, DrafterClient], deadline_s: float,
                  total_tokens: int, probe_steps: int = 2, recheck_every: int = 0, lookup: TreeConfig | None = None,
-                 support: torch.Tensor | None = None):
+                 support: torch.Tensor | None = None, layers: dict[str, tuple[int, ...]] | None = None):
         self.name = plan.name
+        missing = [name for name in plan.drafters if layers is not None and name not in layers]
+        if missing:
+            raise ValueError(f"no feature layers for drafter(s) {missing} of plan {plan.name!r}")
+        self.layers = {name: tuple(layers[name]) for name in plan.drafters} if layers is not None else {}
+        self.feature_layers = union_layers(self.layers.values())
+        self._columns: dict[str, torch.Tensor | None] = {}
         self.support = support
         self._recorded = support
         self.lookup = lookup or TreeConfig(lookup_tokens=0)
@@ -156,6 +188,10 @@ class RemoteStrategy:
 
     def start(self, target: TargetModel, tokens: torch.Tensor, features: torch.Tensor) -> None:
         self.device = target.device
+        if self.feature_layers is not None and target.feature_layers(self.feature_layers):
+            have = tuple(self.feature_layers)
+            self._columns = {name: layer_columns(have, own, target.hidden_size)
+                             for name, own in self.layers.items() if own != have}
         if self.support is not None and self.support.numel() == target.vocab_size:
             self._recorded = None  # the tree records the whole target vocabulary as None
         n = tokens.numel()
@@ -253,8 +289,10 @@ class RemoteStrategy:
     def _send(self, name: str, offset: int) -> Reply:
         self.contacted.add(name)
         end = self.length
+        features = self._features[offset:end]
+        columns = self._columns.get(name)
         return self.clients[name].propose(self.rid, offset, self._tokens[offset:end].clone(),
-                                          self._features[offset:end].clone(),
+                                          features.clone() if columns is None else features[:, columns],
                                           self.support if offset == 0 else None, depth=self._depth)
 
     def _gather(self, names: list[str], notes: dict, step: int) -> dict[str, DraftTree]:

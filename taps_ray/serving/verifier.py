@@ -23,7 +23,14 @@ from taps_ray.config import SamplingConfig, ServeConfig, TargetConfig, TreeConfi
 from taps_ray.models.target import TargetModel
 from taps_ray.serving.capture import CaptureWriter, capture_dir
 from taps_ray.serving.drafter import node_id, rss_bytes
-from taps_ray.serving.drafting import DrafterClient, HandleClient, RemoteStrategy, needs_support, plan_support
+from taps_ray.serving.drafting import (
+    DrafterClient,
+    HandleClient,
+    RemoteStrategy,
+    drafter_layers,
+    needs_support,
+    plan_support,
+)
 from taps_ray.serving.logprobs import TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan
 from taps_ray.serving.protocol import RequestError
@@ -108,6 +115,7 @@ class Verifier:
         self.counts: Counter = Counter()
         self._active_lock = threading.Lock()
         self._supports: dict[frozenset[str], torch.Tensor | None] = {}
+        self._layers: dict[str, tuple[int, ...]] = {}
         self.batcher = ForwardBatcher(self.target, self.cfg.batch_max_requests, self.cfg.batch_wait_ms / 1000,
                                       expected=lambda: self.active - self.stalled)
         self.batched = BatchingTarget(self.target, self.batcher)
@@ -131,6 +139,15 @@ class Verifier:
         key = self.cost.key
         return {"plain_step_ms": round(1e3 * self.cost.plain_s, 3), "relative": self.cost.relative(),
                 **{k: key.get(k) for k in ("hardware", "dtype", "threads", "engine")}}
+
+    def _drafter_layers(self, plan: Plan, timeout_s: float) -> dict[str, tuple[int, ...]]:
+        """The target hidden states each drafter of ``plan`` reads (:func:`drafter_layers`), asked once per
+        drafter (a served drafter never swaps to other layers); one that has not answered is taken to read the
+        last hidden state, and asked again by the next request."""
+        missing = [name for name in plan.drafters if name not in self._layers]
+        if missing:
+            self._layers.update(drafter_layers(missing, self.clients, timeout_s))
+        return {name: self._layers.get(name, (self.target.final_layer,)) for name in plan.drafters}
 
     def _support(self, plan: Plan, timeout_s: float) -> torch.Tensor | None:
         """The drafting support of ``plan`` (:func:`plan_support`), computed once per set of drafters
@@ -267,7 +284,7 @@ class Verifier:
         deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
                                   self.cfg.route_probe_steps, self.cfg.route_recheck_every, self.tree,
-                                  self._support(request.plan, deadline))
+                                  self._support(request.plan, deadline), self._drafter_layers(request.plan, deadline))
         try:
             stopped = session.run(ids, strategy, sampling, max_tokens, cancel, expires,
                                   self.node_budget if self.cfg.batch_max_tokens else None)

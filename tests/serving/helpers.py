@@ -62,6 +62,9 @@ class LocalClient:
     def vocabulary(self) -> LocalReply:
         return LocalReply(POOL.submit(self.replicas[0].vocabulary))
 
+    def layers(self) -> LocalReply:
+        return LocalReply(POOL.submit(self.replicas[0].layers))
+
     def end(self, rid: str) -> None:
         self.ended.append(rid)
         for replica in self.replicas:

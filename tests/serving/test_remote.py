@@ -14,7 +14,7 @@ import torch
 
 from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving.drafter import Drafter, DraftSessions, SessionAffinityRouter
-from taps_ray.serving.drafting import RemoteStrategy, plan_support
+from taps_ray.serving.drafting import RemoteStrategy, drafter_layers, plan_support
 from taps_ray.serving.plan import resolve_plan
 from taps_ray.serving.protocol import RequestError
 from taps_ray.serving.session import summarize
@@ -25,7 +25,14 @@ from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import DecodeState
 from taps_ray.spec.tree import DIRECT
 from tests.serving.helpers import LocalClient, RecordingSingle, same_tree
-from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
+from tests.spec.spec_helpers import (
+    bigram_target,
+    oracle_drafter,
+    peaky_tiny_target,
+    random_prompt,
+    sharp_drafter,
+    sharp_eagle3,
+)
 
 TREE = TreeConfig(depth=3, top_k=4, total_tokens=12, lookup_tokens=0, adaptive=False)
 NEW = 40
@@ -70,6 +77,7 @@ class Recording:
 
     def __init__(self, strategy):
         self.strategy, self.name, self.trees = strategy, strategy.name, {}
+        self.feature_layers = getattr(strategy, "feature_layers", None)
 
     def start(self, target, tokens, features):
         self.strategy.start(target, tokens, features)
@@ -582,3 +590,59 @@ def test_resolve_plan_errors_name_the_field(strategy, drafters, param, message):
     with pytest.raises(RequestError, match=message) as err:
         resolve_plan(strategy, drafters, cfg)
     assert err.value.param == param and err.value.status == 400
+
+
+class WidthClient(LocalClient):
+    """A :class:`LocalClient` recording the width of the features each call ships."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.widths: set[int] = set()
+
+    def propose(self, rid, offset, tokens, features, support=None, depth=None):
+        self.widths.add(features.shape[-1])
+        return super().propose(rid, offset, tokens, features, support, depth)
+
+
+@pytest.mark.parametrize("name", ["single", "routed:confidence", "routed:entropy:request", "merged:union",
+                                  "merged:budget"])
+def test_served_eagle3_and_eagle2_drafters_equal_the_in_process_strategy(name):
+    """An EAGLE-3 drafter (reduced vocabulary) beside an EAGLE-2 one, served: each deployment reports the
+    target layers it reads, the verifier asks the target for their union and ships each drafter its own
+    columns (3H and H), and trees, output and acceptance equal the in-process strategy's and vanilla's."""
+    target = peaky_tiny_target(6, layers=8)
+    drafters = {"e3": sharp_eagle3(target, 1, vocab=torch.arange(2, 220)), "e2": sharp_drafter(target, 2)}
+    if name == "single":
+        drafters = {"e3": drafters["e3"]}
+    prompt = random_prompt(target, 8, 3)
+    reference = Recording(build_strategy(name, drafters, TREE))
+    expected = generate(target, prompt, reference, max_new_tokens=NEW)
+    clients = {n: WidthClient([DraftSessions(target, d, TREE)]) for n, d in drafters.items()}
+    layers = drafter_layers(list(drafters), clients, 10.0)
+    assert layers == {n: d.feature_layers for n, d in drafters.items()}
+    plan = resolve_plan(name, list(drafters), serve_cfg(drafters))
+    support, _ = plan_support(plan, clients, target.vocab_size, 10.0)
+    strategy = RecordingRemote("r", plan, clients, 10.0, TREE.total_tokens, support=support, layers=layers)
+    assert strategy.feature_layers == ((2, 4, 5) if name == "single" else (2, 4, 5, 8))
+    result = generate(target, prompt, strategy, max_new_tokens=NEW)
+    assert result.token_ids == expected.token_ids == generate(target, prompt, max_new_tokens=NEW).token_ids
+    assert result.accept_lengths == expected.accept_lengths
+    assert reference.trees.keys() == strategy.trees.keys()
+    assert all(same_tree(reference.trees[k], strategy.trees[k]) for k in reference.trees)
+    assert not strategy.skips
+    assert clients["e3"].widths == {3 * target.hidden_size}
+    if "e2" in clients:
+        assert clients["e2"].widths == {target.hidden_size}
+    strategy.close()
+    with pytest.raises(ValueError, match="no feature layers for drafter"):
+        RemoteStrategy("x", plan, clients, 10.0, TREE.total_tokens, layers={})
+
+
+def test_a_served_drafter_does_not_swap_to_one_reading_other_layers():
+    target = peaky_tiny_target(6, layers=8)
+    sessions = DraftSessions(target, sharp_drafter(target, 1), TREE)
+    with pytest.raises(ValueError, match=r"cannot swap a TapsDraftHead drafter reading target layers \[8\] for a "
+                                         r"TapsEagle3Head one reading \[2, 4, 5\]"):
+        sessions.swap(sharp_eagle3(target, 2))
+    assert sessions.layers() == [8]
+    sessions.swap(sharp_drafter(target, 3))
