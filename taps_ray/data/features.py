@@ -109,7 +109,10 @@ class _TargetActor:
 
 class FeatureActor(_TargetActor):
     """Batch of tokenized rows -> the same rows plus ``hidden`` bf16 bytes (teacher forced): the hidden states
-    of ``kind`` (:func:`~taps_ray.data.feature_sets.stored_layers`), [T, layers * H] per row."""
+    of ``kind`` (:func:`~taps_ray.data.feature_sets.stored_layers`), [T, layers * H] per row (``layers`` None:
+    the last hidden state alone)."""
+
+    layers: tuple[int, ...] | None = None
 
     def __init__(self, target_cfg: dict, label: str = "", total_rows: int = 0, kind: str = LAST):
         super().__init__(target_cfg, label, total_rows)

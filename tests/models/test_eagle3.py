@@ -140,3 +140,14 @@ def test_averaging_needs_one_architecture(target):
         average_drafters([a, DraftHead(target.config)], [0.5, 0.5])
     with pytest.raises(ValueError, match=r"target layers \[1, 3, 7\]"):
         average_drafters([a, Eagle3Head(target.config, aux=(0, 2, 6))], [0.5, 0.5])
+
+
+def test_int8_storage_and_bf16_loading(target, tmp_path):
+    """Release packaging: int8 rows round trip within a row's rounding, and a bf16 load keeps float32 rotary."""
+    head = Eagle3Head(target.config, seed=4)
+    path = head.save(tmp_path / "d", target.fingerprint, weight_storage="int8-rowwise")
+    loaded = DraftHead.load(path, target.config, target.fingerprint, dtype=torch.bfloat16)
+    assert type(loaded) is Eagle3Head and loaded.fc.weight.dtype == torch.bfloat16
+    assert loaded.rotary.inv_freq.dtype == torch.float32
+    step = head.fc.weight.abs().amax(1, keepdim=True) / 127
+    assert bool(((loaded.fc.weight.float() - head.fc.weight).abs() <= step + 1e-2 * step.max()).all())
