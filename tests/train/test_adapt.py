@@ -234,3 +234,14 @@ def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_ga
     assert PromotionLog(cfg.run_dir).last_promoted("a") == promoted
     assert restarted.due() is None
     verifier.pool.shutdown()
+
+
+def test_an_eagle3_source_is_refused_until_traffic_stores_its_layers(tmp_path):
+    from taps_ray.train.adapt import adapt_experiment
+
+    cfg = load_config(None, ["data.datasets={math: {domain: math, alternatives: [{kind: gsm8k_test_split}]}}"])
+    meta = {"algorithm": "eagle3", "data": ["math"], "objective": {"ttt_steps": 2}}
+    with pytest.raises(AdaptError, match="is an EAGLE-3 drafter: taps adapt does not adapt EAGLE-3 drafters yet"):
+        adapt_experiment(cfg, tmp_path, "runs/x/drafters/e3", meta, 0.5, False, 1)
+    _, variant = adapt_experiment(cfg, tmp_path, "runs/x/drafters/e3", meta, 1.0, True, 1)
+    assert variant.algorithm == "eagle2"
