@@ -25,15 +25,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_process import REPO, free_port, get_json, start_server, stop  # noqa: E402
+
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 """guidellm's environment: the tokenizer and the data are local files, nothing is fetched."""
@@ -168,53 +168,6 @@ def reference(config: str, overrides: list[str], prompts: list[str], max_tokens:
     target = TargetModel.load(load_config(config, overrides).target)
     texts = {p: generate(target, [{"role": "user", "content": p}], max_new_tokens=max_tokens).text for p in prompts}
     return texts, target.tokenizer.name_or_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def start_server(config: str, overrides: list[str], port: int, log: Path, within_s: float) -> subprocess.Popen:
-    """``taps serve CONFIG`` on ``port`` (its own local Ray cluster: ``RAY_ADDRESS`` is not passed on),
-    once ``/ready`` says ready; RuntimeError (after stopping it) when it exits or is not ready in time."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "taps_ray.cli", "serve", config, "--host", "127.0.0.1", "--port", str(port),
-           "serve.app_name=taps-load-public", *overrides]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"taps serve exited ({proc.returncode}); see {log}")
-        try:
-            if get_json(f"http://127.0.0.1:{port}/ready").get("status") == "ready":
-                return proc
-        except (OSError, ValueError):
-            pass
-        time.sleep(1.0)
-    stop(proc)
-    raise RuntimeError(f"taps serve not ready within {within_s:g} s; see {log}")
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
-    """SIGTERM the process we started (``taps serve`` deletes its application and its Ray cluster ends with
-    it), SIGKILL it when it outlives ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def guidellm_command(url: str, model: str, rate: float, requests: int, max_tokens: int, data: Path,
