@@ -158,6 +158,7 @@ def test_prompt_only_source_is_regenerated_by_the_target(tmp_path, monkeypatch, 
     _write_jsonl(data, [{"problem": "What is 3 + 4?"}, {"problem": too_long}, {"problem": "Name a prime number."}])
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(
+        "target: {dtype: float32}\n"  # the regeneration actors load the target as configured; the reference is fp32
         "data:\n  datasets:\n    math:\n      domain: math\n"
         f"      alternatives:\n        - {{kind: jsonl, path: {data}, regenerate: true}}\n"
         "  features: {max_len: 96, regeneration: {max_new_tokens: 12, batch_size: 2}}\n"

@@ -57,7 +57,7 @@ def test_bf16_speculative_divergences_on_the_embedded_target_are_ties(embedded_t
     outputs = {"vanilla": [generate(bf16, p, max_new_tokens=20).token_ids for p in prompts],
                "spec": [generate(bf16, p, SingleStrategy(drafter), max_new_tokens=20).token_ids for p in prompts]}
     report = account(bf16, embedded_target, prompts, outputs)
-    assert report.dtype == "bfloat16" and 0 < report.max_logit_error < 5
+    assert report.dtype.startswith("bfloat16") and 0 < report.max_logit_error < 5  # ", int4 weights" where auto picks them
     assert report.identical["spec"] + len(report.divergences) == len(prompts)
     assert report.all_ties, report.to_markdown()
 
