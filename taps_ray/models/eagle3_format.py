@@ -36,7 +36,12 @@ import torch
 from safetensors.torch import save_file
 
 from taps_ray.models.drafter import CONFIG_NAME, WEIGHTS_NAME, DrafterLoadError, check_draft_vocabulary
-from taps_ray.models.eagle_format import TRAINED_PROMPTS_NAME, EagleExportError, read_eagle_tensors
+from taps_ray.models.eagle_format import (
+    TRAINED_PROMPTS_NAME,
+    EagleExportError,
+    check_replaceable,
+    read_eagle_tensors,
+)
 from taps_ray.models.target import TargetFingerprint
 
 ENGINES: dict[str, list[str]] = {"sglang": ["LlamaForCausalLMEagle3"], "vllm": ["Eagle3LlamaForCausalLM"]}
@@ -135,12 +140,7 @@ def export_eagle3(head, out: str | Path, fingerprint: TargetFingerprint, lm_head
         raise EagleExportError(f"--format eagle3 takes an EAGLE-3 drafter, this one is "
                                f"{getattr(head, 'algorithm', type(head).__name__)}: use --format eagle")
     out = Path(out)
-    if out.exists():
-        names = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
-        foreign = [n for n in names if not out.is_dir() or n not in EXPORT_FILES]
-        if foreign:
-            raise EagleExportError(f"refusing to replace {str(out)!r}: it holds files an export does not write "
-                                   f"({', '.join(foreign[:5])})")
+    check_replaceable(out, EXPORT_FILES)
     tensors = eagle3_tensors(head, lm_head_weight, engine)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

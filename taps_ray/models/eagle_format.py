@@ -325,6 +325,16 @@ def eagle_tensors(head: DraftHead, engine: str, drop_fc_bias: bool = False) -> t
     return out, nonzero
 
 
+def check_replaceable(out: Path, files: frozenset[str]) -> None:
+    """Refuse an export folder ``out`` that holds anything but an earlier export's ``files``."""
+    if out.exists():
+        names = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
+        foreign = [name for name in names if not out.is_dir() or name not in files]
+        if foreign:
+            raise EagleExportError(f"refusing to replace {str(out)!r}: it holds files an export does not write "
+                                   f"({', '.join(foreign[:5])})")
+
+
 def export_eagle(head: DraftHead, out: str | Path, fingerprint: TargetFingerprint, engine: str = "sglang",
                  drop_fc_bias: bool = False, source: Path | None = None) -> EagleExport:
     """Write ``head`` as an EAGLE-1/2 folder for ``engine`` at ``out`` (atomically, via ``.partial``).
@@ -333,12 +343,7 @@ def export_eagle(head: DraftHead, out: str | Path, fingerprint: TargetFingerprin
     drafter's own folder, lends its ``trained_prompts.json``.
     """
     out = Path(out)
-    if out.exists():
-        foreign = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
-        foreign = [name for name in foreign if not out.is_dir() or name not in EXPORT_FILES]
-        if foreign:
-            raise EagleExportError(f"refusing to replace {str(out)!r}: it holds files an export does not write "
-                                   f"({', '.join(foreign[:5])})")
+    check_replaceable(out, EXPORT_FILES)
     tensors, bias = eagle_tensors(head, engine, drop_fc_bias)
     dropped = drop_fc_bias and bool(head.fc.bias.detach().count_nonzero())
     dtype = tensors["fc.weight"].dtype
