@@ -27,7 +27,6 @@ that export -> import gives the same tensors bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from taps_ray.models.eagle_format import (
     TRAINED_PROMPTS_NAME,
     EagleExportError,
     check_replaceable,
+    publish,
     read_eagle_tensors,
 )
 from taps_ray.models.target import TargetFingerprint
@@ -148,11 +148,7 @@ def export_eagle3(head, out: str | Path, fingerprint: TargetFingerprint, lm_head
     save_file(tensors, str(partial / WEIGHTS_NAME), metadata={"format": "pt"})
     config = eagle3_config(head, fingerprint, engine, tensors["fc.weight"].dtype)
     (partial / CONFIG_NAME).write_text(json.dumps(config, indent=1, default=str))
-    if source is not None and (source / TRAINED_PROMPTS_NAME).is_file():
-        shutil.copyfile(source / TRAINED_PROMPTS_NAME, partial / TRAINED_PROMPTS_NAME)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    publish(partial, out, source)
     return Eagle3Export(path=out, engine=engine, aux_layer_ids=aux_layer_ids(head.aux, engine))
 
 

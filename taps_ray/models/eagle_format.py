@@ -335,6 +335,16 @@ def check_replaceable(out: Path, files: frozenset[str]) -> None:
                                    f"({', '.join(foreign[:5])})")
 
 
+def publish(partial: Path, out: Path, source: Path | None) -> None:
+    """Finish an export written to ``partial``: add ``source``'s ``trained_prompts.json`` (the contamination
+    guard reads it) and put the folder at ``out`` in place of an earlier export."""
+    if source is not None and (source / TRAINED_PROMPTS_NAME).is_file():
+        shutil.copyfile(source / TRAINED_PROMPTS_NAME, partial / TRAINED_PROMPTS_NAME)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+
+
 def export_eagle(head: DraftHead, out: str | Path, fingerprint: TargetFingerprint, engine: str = "sglang",
                  drop_fc_bias: bool = False, source: Path | None = None) -> EagleExport:
     """Write ``head`` as an EAGLE-1/2 folder for ``engine`` at ``out`` (atomically, via ``.partial``).
@@ -357,9 +367,5 @@ def export_eagle(head: DraftHead, out: str | Path, fingerprint: TargetFingerprin
         token_map = out / TOKEN_MAP_NAME
     config = eagle_config(head, fingerprint, engine, bias, dropped, dtype)
     (partial / CONFIG_NAME).write_text(json.dumps(config, indent=1, default=str))
-    if source is not None and (source / TRAINED_PROMPTS_NAME).is_file():
-        shutil.copyfile(source / TRAINED_PROMPTS_NAME, partial / TRAINED_PROMPTS_NAME)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    publish(partial, out, source)
     return EagleExport(path=out, engine=engine, token_map=token_map, bias=bias, fc_bias_dropped=dropped)
