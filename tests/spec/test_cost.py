@@ -98,11 +98,25 @@ def test_a_requests_first_drafted_step_does_not_set_the_drafting_seconds():
 
 
 def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
-    """A strategy whose first proposal of a request is slow (the prompt's pairs) keeps drafting."""
-    import time as time_module
+    """A strategy whose first proposal of a request is slow (the prompt's pairs) keeps drafting.
 
+    The decoder's clock is a virtual one (each verification forward 1 s, a proposal 1 ms, a request's first
+    proposal 50 s), so what the budget sees does not depend on the machine's load."""
+    from types import SimpleNamespace
+
+    from taps_ray.spec import decoder as decoder_module
+
+    clock = [0.0]
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     target = bigram_target(0)
     drafter = oracle_drafter(target)
+    forward = target.forward
+
+    def timed_forward(*args, **kwargs):
+        clock[0] += 1.0
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", timed_forward)
     budget = TreeBudget(_model([1.0, 1.0, 1.05, 1.1, 1.2]), probe_every=100)
 
     class SlowStart:
@@ -115,9 +129,8 @@ def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
             self.inner.start(*args)
 
         def propose(self, state):
-            if self.first:
-                self.first = False
-                time_module.sleep(0.5)
+            clock[0] += 50.0 if self.first else 0.001
+            self.first = False
             return self.inner.propose(state)
 
         def advance(self, *args):
