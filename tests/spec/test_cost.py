@@ -97,19 +97,15 @@ def test_a_requests_first_drafted_step_does_not_set_the_drafting_seconds():
     assert not budget.pays()
 
 
-def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
-    """A strategy whose first proposal of a request is slow (the prompt's pairs) keeps drafting.
-
-    The decoder's clock is a virtual one (each verification forward 1 s, a proposal 1 ms, a request's first
-    proposal 50 s), so what the budget sees does not depend on the machine's load."""
+def _virtual_clock(monkeypatch, target) -> list[float]:
+    """Run the decoder on a virtual clock that only ``target``'s forwards advance (1 s each); returns the
+    clock (``clock[0]``), which a test's strategy may advance for its drafting."""
     from types import SimpleNamespace
 
     from taps_ray.spec import decoder as decoder_module
 
     clock = [0.0]
     monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    target = bigram_target(0)
-    drafter = oracle_drafter(target)
     forward = target.forward
 
     def timed_forward(*args, **kwargs):
@@ -117,6 +113,17 @@ def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", timed_forward)
+    return clock
+
+
+def test_the_decoder_leaves_out_each_requests_first_drafting(monkeypatch):
+    """A strategy whose first proposal of a request is slow (the prompt's pairs) keeps drafting.
+
+    The decoder's clock is a virtual one (each verification forward 1 s, a proposal 1 ms, a request's first
+    proposal 50 s), so what the budget sees does not depend on the machine's load."""
+    target = bigram_target(0)
+    drafter = oracle_drafter(target)
+    clock = _virtual_clock(monkeypatch, target)
     budget = TreeBudget(_model([1.0, 1.0, 1.05, 1.1, 1.2]), probe_every=100)
 
     class SlowStart:
@@ -377,8 +384,10 @@ def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, m
 
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("steep", [False, True])
-def test_greedy_output_equals_vanilla_with_a_budget(name, steep):
+def test_greedy_output_equals_vanilla_with_a_budget(name, steep, monkeypatch):
+    """On a virtual clock (verification 1 s, drafting free), so that the cheap budget's trees pay on any load."""
     target = bigram_target(0)
+    _virtual_clock(monkeypatch, target)
     ids = torch.arange(target.vocab_size)
     drafters = ({"oracle": oracle_drafter(target), "n1": sharp_drafter(target, 1)} if name == "averaged" else
                 {"even": oracle_drafter(target, ids[ids % 2 == 0]), "odd": oracle_drafter(target, ids[ids % 2 == 1])})
