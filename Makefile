@@ -47,6 +47,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check taps_ray tests benchmarks
+	$(VENV)/bin/mypy
 
 # The demo's math drafter when `make demo` has trained it, else an untrained one.
 BENCH_DRAFTER ?= $(wildcard runs/demo/drafters/hass-math)

@@ -13,7 +13,7 @@ in one place so that it reads as one reference; reading files and overrides is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -301,7 +301,10 @@ class TrainConfig(Strict):
         "drafter of drafter.seed); taps adapt sets it to the drafter it fine-tunes"))
 
 
-def _check_section(section: str, given: dict[str, Any], model: type[BaseModel], base: dict[str, Any]) -> BaseModel:
+_Section = TypeVar("_Section", bound=BaseModel)
+
+
+def _check_section(section: str, given: dict[str, Any], model: type[_Section], base: dict[str, Any]) -> _Section:
     """Validate ``base`` updated with ``given`` as ``model``; errors name ``section.key``."""
     unknown = sorted(set(given) - set(model.model_fields))
     if unknown:
@@ -319,6 +322,8 @@ class TrainingOverrides(Strict):
     sweep's trials), checked against those sections as the config loads; subclasses declare
     ``algorithm`` and name themselves in errors (:meth:`_owner`)."""
 
+    if TYPE_CHECKING:
+        algorithm: str
     objective: dict[str, Any] = Field(default_factory=dict, description=(
         "overrides of objective keys (ObjectiveConfig, not algorithm)"))
     train: dict[str, Any] = Field(default_factory=dict, description=(

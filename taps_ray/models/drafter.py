@@ -147,6 +147,8 @@ class DraftHead(nn.Module):
     algorithm = "eagle2"
     architecture_fields: tuple[str, ...] = ()
 
+    draft_to_target: torch.Tensor | None
+
     def __init__(self, target_config, draft_to_target: torch.Tensor | None = None, seed: int = 0,
                  metadata: dict | None = None):
         super().__init__()

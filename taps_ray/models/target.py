@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import overload
 
 import torch
 from filelock import FileLock
@@ -33,6 +34,9 @@ from taps_ray.models.quant import (
     weights_unsupported,
 )
 from taps_ray.runstate import write_json
+
+TargetCache = KVCache | DynamicCache
+"""A target request's KV cache: the static engine's preallocated one, or transformers' dynamic one."""
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class TargetOutput:
 
     logits: torch.Tensor
     hidden: torch.Tensor
-    cache: DynamicCache | None
+    cache: TargetCache | None
     features: torch.Tensor | None = None
 
     @property
@@ -379,7 +383,7 @@ class TargetModel:
                 f"{' soft-capped' if self.final_softcap else ''} (max difference "
                 f"{float((own - ours).abs().max()):.3g}); this head is not supported")
 
-    def new_cache(self, capacity: int = 256) -> KVCache | DynamicCache:
+    def new_cache(self, capacity: int = 256) -> TargetCache:
         """An empty cache: a preallocated :class:`KVCache` of ``capacity`` entries (it grows when needed)
         when the static engine runs this target, else a :class:`DynamicCache` of full-history layers.
         Either keeps sliding-window layers' whole history (their window is applied by the attention
@@ -428,7 +432,7 @@ class TargetModel:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: DynamicCache,
+        cache: TargetCache,
         attention_mask_4d: torch.Tensor | None = None,
         layers: tuple[int, ...] | None = None,
     ) -> TargetOutput:
@@ -438,13 +442,13 @@ class TargetModel:
         return TargetOutput(logits=self.logits(hidden), hidden=hidden, cache=cache, features=features)
 
     @torch.inference_mode()
-    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TargetCache,
                        attention_mask_4d: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` without the LM head: the last hidden states [B, n, H]."""
         return self.forward_features(tokens, positions, cache, attention_mask_4d)[0]
 
     @torch.inference_mode()
-    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TargetCache,
                          attention_mask_4d: torch.Tensor | None = None, layers: tuple[int, ...] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_hidden` and the hidden states ``layers`` concatenated [B, n, len(layers) * H] (None when
@@ -464,6 +468,14 @@ class TargetModel:
         return out.last_hidden_state, features
 
     @torch.inference_mode()
+    @overload
+    def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                         layers: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
     def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                          layers: tuple[int, ...] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Several requests' steps packed in one forward (static engine only): ``tokens``/``positions`` [T],
@@ -476,7 +488,7 @@ class TargetModel:
             return self.engine.forward(tokens, positions, segments)
         return self.engine.forward_layers(tokens, positions, segments, self.feature_layers(layers))
 
-    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+    def prefill(self, input_ids: torch.Tensor, cache: TargetCache | None = None,
                 layers: tuple[int, ...] | None = None) -> TargetOutput:
         """Run ``input_ids`` [B, T] causally after ``cache`` (new cache when None); ``layers`` as :meth:`forward`."""
         cache = cache if cache is not None else self.new_cache()
@@ -631,7 +643,7 @@ def _full_history_layers(cache: DynamicCache) -> None:
 
 
 @torch.inference_mode()
-def crop_cache(cache: DynamicCache, length: int) -> None:
+def crop_cache(cache: TargetCache, length: int) -> None:
     """Drop every cache entry at position >= ``length`` (in place); full-history layers only."""
     if isinstance(cache, KVCache):
         cache.crop(length)
@@ -644,7 +656,7 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
+def compact_cache(cache: TargetCache, prefix_len: int, keep: torch.Tensor) -> None:
     """Keep the prefix plus the entries at ``prefix_len + keep`` (``keep`` [k], ascending), in place.
 
     Used after tree verification: the tree's N entries sit after the prefix; only the accepted

@@ -28,13 +28,15 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache, Segment
-from taps_ray.models.target import TargetModel, TargetOutput, layer_columns, union_layers
+from taps_ray.models.quant import HalfLinear
+from taps_ray.models.target import TargetCache, TargetModel, TargetOutput, layer_columns, union_layers
 from taps_ray.spec.cost import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.tree import DraftCompute, draft_log_probs
@@ -48,7 +50,7 @@ class ForwardCall:
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    cache: DynamicCache
+    cache: TargetCache
     mask: torch.Tensor | None = None
     layers: tuple[int, ...] | None = None
 
@@ -76,6 +78,12 @@ def _batch_mask(masks: list[torch.Tensor | None], lengths: list[int], sizes: lis
     return mask
 
 
+def _kv(cache: DynamicCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``index``'s (keys, values) [B, h, P, d] of a cache of full-history layers (``TargetModel.new_cache``)."""
+    layer: Any = cache.layers[index]
+    return layer.keys, layer.values
+
+
 def _padded_cache(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:
     """A cache whose layer l holds every cache's entries right-padded with zeros to the longest: [B, h,
     P_max, d] (empty caches give zero rows; no layers when all are empty)."""
@@ -83,14 +91,14 @@ def _padded_cache(caches: list[DynamicCache], lengths: list[int]) -> DynamicCach
     if width == 0:
         return batch
     for index in range(max(len(cache.layers) for cache in caches)):
-        layers = [cache.layers[index] if index < len(cache.layers) else None for cache in caches]
-        ref = next(layer for layer, n in zip(layers, lengths) if n)
-        shape = (len(caches), ref.keys.shape[1], width, ref.keys.shape[3])
-        keys, values = ref.keys.new_zeros(shape), ref.values.new_zeros(shape)
-        for row, (layer, n) in enumerate(zip(layers, lengths)):
-            if n:
-                keys[row, :, :n] = layer.keys[0]
-                values[row, :, :n] = layer.values[0]
+        filled = [(row, *_kv(cache, index)) for row, (cache, n) in enumerate(zip(caches, lengths))
+                  if n and index < len(cache.layers)]
+        ref = filled[0][1]
+        shape = (len(caches), ref.shape[1], width, ref.shape[3])
+        keys, values = ref.new_zeros(shape), filled[0][2].new_zeros(shape)
+        for row, row_keys, row_values in filled:
+            keys[row, :, :lengths[row]] = row_keys[0]
+            values[row, :, :lengths[row]] = row_values[0]
         batch.update(keys, values, index)
     return batch
 
@@ -98,9 +106,9 @@ def _padded_cache(caches: list[DynamicCache], lengths: list[int]) -> DynamicCach
 def _extend(caches: list[DynamicCache], batch: DynamicCache, width: int, sizes: list[int]) -> None:
     """Append to each cache its row's n_i new entries of ``batch`` (those after ``width``)."""
     for row, (cache, n) in enumerate(zip(caches, sizes)):
-        for index, layer in enumerate(batch.layers):
-            cache.update(layer.keys[row:row + 1, :, width:width + n], layer.values[row:row + 1, :, width:width + n],
-                         index)
+        for index in range(len(batch.layers)):
+            keys, values = _kv(batch, index)
+            cache.update(keys[row:row + 1, :, width:width + n], values[row:row + 1, :, width:width + n], index)
 
 
 def _rows(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
@@ -123,12 +131,16 @@ def forward_batch(target: TargetModel, calls: list[ForwardCall]) -> list[TargetO
     layers = union_layers([call.layers for call in calls])
     lengths = [call.cache.get_seq_length() for call in calls]
     sizes = [call.tokens.numel() for call in calls]
-    if all(isinstance(call.cache, KVCache) for call in calls):
-        return _forward_packed(target, calls, sizes, layers)
+    static = [call.cache for call in calls if isinstance(call.cache, KVCache)]
+    if len(static) == len(calls):
+        return _forward_packed(target, calls, static, sizes, layers)
     if min(lengths) == 0:
         raise ValueError("forward_batch pads prefilled caches; a call has an empty cache (prefill it alone, or "
                          "run the static engine, whose packed forward prefills in the batch too)")
-    caches = [call.cache for call in calls]
+    caches = [call.cache for call in calls if isinstance(call.cache, DynamicCache)]
+    if len(caches) < len(calls):
+        raise ValueError(f"forward_batch got {len(static)} static-engine caches among {len(calls)} calls; batch "
+                         "calls of one kind of cache (all KVCache or all DynamicCache)")
     mask = _batch_mask([call.mask for call in calls], lengths, sizes, target.dtype, target.device)
     cache = _padded_cache(caches, lengths)
     tokens, positions = _rows([c.tokens for c in calls], sizes), _rows([c.positions for c in calls], sizes)
@@ -147,17 +159,17 @@ def _own(target: TargetModel, features: torch.Tensor | None, layers: tuple[int, 
          want: tuple[int, ...] | None, row: int, n: int) -> torch.Tensor | None:
     """Row ``row``'s first n features [1, n, F] in the layout of its own ``want`` out of a batch's ``features``
     [B, n_max, F_union] of the union ``layers`` (None when the call asked for the last hidden state only)."""
-    if features is None or not target.feature_layers(want):
+    if features is None or layers is None or want is None or not target.feature_layers(want):
         return None
     part = features[row:row + 1, :n]
     return part if tuple(want) == layers else part[..., layer_columns(layers, tuple(want), target.hidden_size)]
 
 
-def _forward_packed(target: TargetModel, calls: list[ForwardCall], sizes: list[int],
+def _forward_packed(target: TargetModel, calls: list[ForwardCall], caches: list[KVCache], sizes: list[int],
                     layers: tuple[int, ...] | None) -> list[TargetOutput]:
-    """:func:`forward_batch` on the static engine: the calls' tokens packed [T], each attending over its
-    own cache (no padding, no cache copies)."""
-    segments = [Segment(call.cache, n, call.mask) for call, n in zip(calls, sizes)]
+    """:func:`forward_batch` on the static engine (``caches``: the calls' own): the calls' tokens packed [T], each
+    attending over its own cache (no padding, no cache copies)."""
+    segments = [Segment(cache, n, call.mask) for call, cache, n in zip(calls, caches, sizes)]
     tokens, positions = torch.cat([c.tokens for c in calls]), torch.cat([c.positions for c in calls])
     if layers is None:
         hidden, features = target.forward_segments(tokens, positions, segments), None
@@ -207,7 +219,7 @@ def draft_forward_batch(calls: list[DraftCall]) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def head_batch(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+def head_batch(calls: list[tuple[torch.Tensor | HalfLinear, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
     """:func:`~taps_ray.spec.tree.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one product per
     distinct head (rows of calls sharing a head stacked)."""
     out: list = [None] * len(calls)
@@ -289,7 +301,7 @@ class Batcher:
         finally:
             self._cond.acquire()
         for i, slot in enumerate(batch):
-            slot.output, slot.error, slot.done = (outputs[i] if error is None else None), error, True
+            slot.output, slot.error, slot.done = (None if outputs is None else outputs[i]), error, True
         self.sizes[len(batch)] += 1
         self._leading = False
         self._cond.notify_all()
@@ -347,7 +359,8 @@ class DraftBatcher(DraftCompute):
         return self.forwards.submit(DraftCall(drafter, embeds[0], features[0], positions[0], cache,
                                               None if mask is None else mask[0, 0]))
 
-    def log_probs(self, head: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def log_probs(self, head: torch.Tensor | HalfLinear,
+                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.heads.submit((head, hidden))
 
 

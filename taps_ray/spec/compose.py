@@ -84,18 +84,19 @@ def union_support(vocabularies: Sequence[torch.Tensor | None], vocab_size: int) 
             first is not None and all(v is not None and torch.equal(v.sort().values, first.sort().values)
                                       for v in vocabularies[1:])):
         return None
-    if any(v is None for v in vocabularies):
+    present = [v for v in vocabularies if v is not None]
+    if len(present) < len(vocabularies):
         return torch.arange(vocab_size)
-    return torch.cat([v.cpu() for v in vocabularies]).unique()
+    return torch.cat([v.cpu() for v in present]).unique()
 
 
 def check_comparable(trees: Sequence[DraftTree | None], names: Sequence[str], what: str) -> None:
     """ValueError naming two drafters whose trees' scores and entropies are over different target-id
     supports (see :attr:`DraftTree.support`), which ``what`` (routing, budget merging) would compare."""
-    present = [i for i, t in enumerate(trees) if t is not None]
-    first = present[0]
-    for i in present[1:]:
-        a, b = trees[first].support, trees[i].support
+    present = [(i, t) for i, t in enumerate(trees) if t is not None]
+    first, a = present[0][0], present[0][1].support
+    for i, tree in present[1:]:
+        b = tree.support
         if not same_support(a, b):
             raise ValueError(f"cannot {what} drafters {names[first]!r} and {names[i]!r}: their signals are over "
                              f"different draft vocabularies ({_support_name(a)} vs {_support_name(b)}); draft "
@@ -126,20 +127,22 @@ def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: 
     the ``total_tokens - 1`` most confident nodes for ``budget``; anything else takes the first tree.
     ``routed`` and ``budget`` compare scores across trees: ValueError (:func:`check_comparable`) when
     the trees' supports differ."""
-    present = [i for i, t in enumerate(trees) if t is not None]
+    given = {i: t for i, t in enumerate(trees) if t is not None}
+    present = list(given)
     if not present:
         raise ValueError("compose_trees needs at least one tree")
     if spec.kind == "routed":
         check_comparable(trees, names, "route between")
-        values = torch.stack([tree_signal(t, spec.signal) if t is not None else torch.tensor(math.nan) for t in trees])
-        pick = best_index(values, spec.signal)
-        pick = pick if trees[pick] is not None else present[0]
-        return trees[pick], {"route": names[pick], "route_index": pick, "signal": spec.signal, "signals": values}
+        signal = spec.signal or "confidence"
+        values = torch.stack([tree_signal(t, signal) if t is not None else torch.tensor(math.nan) for t in trees])
+        pick = best_index(values, signal)
+        pick = pick if pick in given else present[0]
+        return given[pick], {"route": names[pick], "route_index": pick, "signal": signal, "signals": values}
     if spec.kind == "merged":
         if spec.merge == "budget":
             check_comparable(trees, names, "merge with a budget")
-        device = trees[present[0]].tokens.device
-        merged = merge_trees([trees[i].to("cpu") for i in present])
+        device = given[present[0]].tokens.device
+        merged = merge_trees([t.to("cpu") for t in given.values()])
         sources = torch.zeros(merged.size, len(trees), dtype=torch.bool)
         sources[:, present] = merged.meta.pop("sources")
         union_size = merged.size
@@ -153,7 +156,7 @@ def compose_trees(spec: StrategySpec, trees: Sequence[DraftTree | None], names: 
             "node_sources": sources[1:].sum(0),
             "shared_nodes": (sources[1:].sum(1) > 1).sum(),
         }
-    return trees[present[0]], {}
+    return given[present[0]], {}
 
 
 class RequestRoute:
@@ -190,6 +193,8 @@ class RequestRoute:
 class _Ensemble:
     """K drafters with one :class:`DrafterState` each; accepted pairs are queued for all of them."""
 
+    tree_budget: TreeBudget | None = None
+
     def __init__(self, drafters: Sequence[DraftHead], names: Sequence[str], tree: TreeConfig | None = None):
         self.drafters = list(drafters)
         self.names = list(names)
@@ -211,6 +216,8 @@ class _Ensemble:
             state.add(tokens, features)
 
     def draft(self, i: int, state: DecodeState) -> DraftTree:
+        if self.target is None:
+            raise RuntimeError(f"strategy over {self.names}: start() it on a request before propose()")
         return draft_tree(self.drafters[i], self.target, self.states[i], state.tree(self.tree), self.support)
 
 
@@ -248,10 +255,9 @@ class RoutedStrategy(_Ensemble):
     def propose(self, state: DecodeState) -> DraftTree:
         probe = self.probing(self.steps)
         self.steps += 1
-        if probe:
-            trees = [self.draft(i, state) for i in range(len(self.drafters))]
-        else:
-            trees = [self.draft(i, state) if i == self.route.choice else None for i in range(len(self.drafters))]
+        chosen = None if probe or self.route is None else self.route.choice
+        trees: list[DraftTree | None] = [self.draft(i, state) if chosen is None or i == chosen else None
+                                         for i in range(len(self.drafters))]
         tree, meta = compose_trees(self.spec, trees, self.names, self.tree.total_tokens)
         if probe and self.route is not None:
             self.route.observe(meta["signals"])
@@ -271,7 +277,7 @@ class MergedStrategy(_Ensemble):
         self.name = "merged:budget" if budget else "merged:union"
 
     def propose(self, state: DecodeState) -> DraftTree:
-        trees = [self.draft(i, state) for i in range(len(self.drafters))]
+        trees: list[DraftTree | None] = [self.draft(i, state) for i in range(len(self.drafters))]
         spec = StrategySpec("merged", merge="budget" if self.budget else "union")
         merged, meta = compose_trees(spec, trees, self.names, self.tree.total_tokens)
         merged.meta.update(meta)
@@ -333,11 +339,12 @@ def build_strategy(
         index = 0 if spec.drafter is None else names.index(spec.drafter) if spec.drafter in names else None
         if index is None:
             raise ValueError(f"strategy {spec.name!r}: no drafter named {spec.drafter!r}; drafters: {names}")
-        strategy = SingleStrategy(heads[index], tree_cfg)
+        strategy: SingleStrategy | RoutedStrategy | MergedStrategy = SingleStrategy(heads[index], tree_cfg)
     elif spec.kind == "averaged":
         strategy = SingleStrategy(average_drafters(heads, averaging_weights(spec, len(heads), weights)), tree_cfg)
     elif spec.kind == "routed":
-        strategy = RoutedStrategy(heads, names, tree_cfg, spec.signal, spec.granularity, probe_steps, recheck_every)
+        strategy = RoutedStrategy(heads, names, tree_cfg, spec.signal or "confidence", spec.granularity or "step",
+                                  probe_steps, recheck_every)
     else:
         strategy = MergedStrategy(heads, names, tree_cfg, budget=spec.merge == "budget")
     if isinstance(strategy, SingleStrategy):

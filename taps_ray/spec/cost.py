@@ -64,9 +64,9 @@ class CostModel:
     key: dict = field(default_factory=dict)
     measured_s: float = 0.0
 
-    def verify(self, n: int | torch.Tensor) -> torch.Tensor:
-        """Seconds of verifying ``n`` nodes (tensor of any shape), linear between grid points and beyond."""
-        n = torch.as_tensor(n, dtype=torch.float64)
+    def verify(self, nodes: float | torch.Tensor) -> torch.Tensor:
+        """Seconds of verifying ``nodes`` nodes (tensor of any shape), linear between grid points and beyond."""
+        n = torch.as_tensor(nodes, dtype=torch.float64)
         xs = torch.tensor(self.nodes, dtype=torch.float64)
         ys = torch.tensor(self.verify_s, dtype=torch.float64)
         upper = torch.searchsorted(xs, n.clamp(min=xs[0])).clamp(1, len(xs) - 1)
@@ -151,7 +151,7 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostMode
     target.prefill(ids.to(target.device), cache)
     trees = [build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
              for n in nodes]
-    times = [[] for _ in nodes]
+    times: list[list[float]] = [[] for _ in nodes]
     for _ in range(repeats + 1):
         for tree, seen in zip(trees, times):
             _sync(target.device)
@@ -320,6 +320,11 @@ class TreeBudget:
         self._new_request = True
         return self
 
+    def _cost(self) -> CostModel:
+        if self.cost is None:
+            raise RuntimeError("this TreeBudget has no cost model yet: give it one or bind(target) it first")
+        return self.cost
+
     def fresh(self) -> TreeBudget:
         """A new budget with this one's settings and cost model and nothing observed (e.g. after a warm-up)."""
         return TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior)
@@ -356,7 +361,7 @@ class TreeBudget:
         """Whether drafting, as recently observed at its best depth, beats a plain step beside ``others`` (see
         :meth:`should_draft`)."""
         rows, tokens, waits, peers = Others(*others)
-        plain = (1 + peers + tokens) / (waits + self.scale * float(self.cost.verify(rows + 1 + peers)))
+        plain = (1 + peers + tokens) / (waits + self.scale * float(self._cost().verify(rows + 1 + peers)))
         rates = self._depth_rates(others)
         return not rates or max(rates.values()) >= plain
 
@@ -377,7 +382,7 @@ class TreeBudget:
         rows, tokens, waits, peers = Others(*others)
         n = 1 + peers
         return {d: (n * s.gain + tokens) / (waits + n * self._draft_s(d)
-                                             + self.scale * float(self.cost.verify(rows + n * s.nodes)))
+                                             + self.scale * float(self._cost().verify(rows + n * s.nodes)))
                 for d, s in self._depths.items() if s.seen}
 
     def depth(self, others: tuple = Others()) -> int | None:
@@ -390,7 +395,7 @@ class TreeBudget:
         if self.explore_every and (self._drafted + 1) % self.explore_every == 0:
             return None
         rates = self._depth_rates(others)
-        best = max(rates, key=rates.get)
+        best = max(rates, key=lambda d: rates[d])
         return None if best == max(self._depths) else best
 
     @staticmethod
@@ -440,7 +445,7 @@ class TreeBudget:
         n = 1 + peers
         expected = n * torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + chance[order].cumsum(0)]) + tokens
         sizes = torch.arange(1, tree.size + 1, dtype=torch.float64)
-        seconds = self.scale * self.cost.verify(n * sizes + rows) + n * draft_s + waits
+        seconds = self.scale * self._cost().verify(n * sizes + rows) + n * draft_s + waits
         n = int((expected / seconds).argmax()) + 1
         if explore:
             n = min(tree.size, max(2 * n, 4))
@@ -461,7 +466,7 @@ class TreeBudget:
         the ``rows`` of other requests in it (they update :attr:`scale`)."""
         w = 0.8
         if verify_s is not None:
-            ratio = verify_s / max(float(self.cost.verify(rows + (1 if tree is None else tree.size))), 1e-9)
+            ratio = verify_s / max(float(self._cost().verify(rows + (1 if tree is None else tree.size))), 1e-9)
             self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio
             self._scaled += 1
         if tree is None or path is None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.drafter_sources import random_drafter_seed
 from taps_ray.models.drafter import DraftHead
-from taps_ray.models.target import TargetModel
+from taps_ray.models.target import TargetCache, TargetModel
 from taps_ray.spec import stats
 from taps_ray.spec.cost import BatchLoad, Others, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
@@ -68,7 +69,7 @@ class GenerationResult:
         return len(self.token_ids) / self.total_s if self.total_s > 0 else float("nan")
 
     def to_dict(self, with_steps: bool = False) -> dict:
-        out = {
+        out: dict[str, Any] = {
             "text": self.text, "token_ids": self.token_ids, "strategy": self.strategy,
             "finish_reason": self.finish_reason, "prompt_len": self.prompt_len, "steps": len(self.steps),
             "tau": self.tau if self.steps else None, "accept_lengths": self.accept_lengths, "tokens_per_s": self.tokens_per_s,
@@ -164,10 +165,17 @@ class _Request:
     drafted: bool = False
     prompt_len: int = 0
     length: int = 0
-    tokens: torch.Tensor | None = None
-    cache: object = None
+    tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    cache: TargetCache | None = None
     steps: list[StepRecord] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def kv(self) -> TargetCache:
+        """The request's KV cache (set by its prefill)."""
+        if self.cache is None:
+            raise RuntimeError("the request has no KV cache before its prefill")
+        return self.cache
 
     @property
     def greedy(self) -> bool:
@@ -391,7 +399,7 @@ def _plain_step(request: _Request, r: int) -> tuple[torch.Tensor, torch.Tensor, 
     target's logits it was drawn from, the step's record fields)."""
     target = request.target
     positions = torch.full((1, 1), r, dtype=torch.long, device=target.device)
-    out = target.forward(request.tokens[r:request.length][None], positions, request.cache, layers=request.layers)
+    out = target.forward(request.tokens[r:request.length][None], positions, request.kv, layers=request.layers)
     new = request.choose(out.logits[0])
     return new, out.hidden[0], out.drafter_features[0], out.logits[0], {"accepted": 0, "tree_size": 1,
                                                                        "tree_depth": 0, "rejected": False}
@@ -410,7 +418,7 @@ def _tree_step(request: _Request, tree: DraftTree,
     proposed, repeated = tree, repeated_siblings(tree.tokens, tree.parent)  # read at the walk's sync
     if tree.size > target.max_context - r:
         tree = tree.select(torch.arange(target.max_context - r, device=tree.tokens.device))
-    out = run_tree(target, tree, request.cache, request.layers)
+    out = run_tree(target, tree, request.kv, request.layers)
     logits = out.logits[0]
     if request.greedy:
         verdict = verify_greedy(tree, logits)
@@ -422,7 +430,7 @@ def _tree_step(request: _Request, tree: DraftTree,
             check_distinct_siblings(proposed.tokens, proposed.parent)
         except ValueError as err:
             raise RuntimeError(f"strategy {strategy.name!r} proposed an invalid tree: {err}") from None
-    compact_target(request.cache, tree, verdict)
+    compact_target(request.kv, tree, verdict)
     record = {"accepted": verdict.accepted, "tree_size": tree.size, "tree_depth": tree.depth.max(),
               "rejected": verdict.rejected >= 0}
     if request.collect_entropy:
@@ -465,6 +473,7 @@ def _append(request: _Request, new: torch.Tensor, hidden: torch.Tensor, features
 def _result(request: _Request, finish: str, prefill_s: float, total_s: float) -> GenerationResult:
     target, prompt_len = request.target, request.prompt_len
     generated = request.tokens[prompt_len:request.length].tolist()
+    text: str | None
     if request.text is not None:
         text = request.text.text
     else:

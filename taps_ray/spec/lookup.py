@@ -13,6 +13,7 @@ Shapes: ``L`` context length (prompt + generated, the root last), ``N`` tree nod
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 
@@ -77,6 +78,14 @@ def graft_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
         meta={**tree.meta, "lookup_nodes": m},
         support=tree.support,
     )
+
+
+@overload
+def graft_lookup(tree: DraftTree, tokens: torch.Tensor, cfg: TreeConfig) -> DraftTree: ...
+
+
+@overload
+def graft_lookup(tree: None, tokens: torch.Tensor, cfg: TreeConfig) -> DraftTree | None: ...
 
 
 def graft_lookup(tree: DraftTree | None, tokens: torch.Tensor, cfg: TreeConfig) -> DraftTree | None:

@@ -8,7 +8,7 @@ Composed strategies (averaged, routed, merged) live in :mod:`taps_ray.spec.compo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -17,6 +17,9 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.spec.lookup import graft_lookup
 from taps_ray.spec.tree import DrafterState, DraftTree, draft_tree
+
+if TYPE_CHECKING:
+    from taps_ray.spec.cost import TreeBudget
 
 
 @dataclass
@@ -99,6 +102,8 @@ class SingleStrategy:
 
     name = "single"
 
+    tree_budget: TreeBudget | None = None
+
     def __init__(self, drafter: DraftHead, tree: TreeConfig | None = None):
         self.drafter = drafter
         self.tree = tree or TreeConfig()
@@ -114,9 +119,15 @@ class SingleStrategy:
         self.state = DrafterState(self.drafter, layers=self.feature_layers)
         self.state.add(tokens, features)
 
+    def _started(self) -> tuple[TargetModel, DrafterState]:
+        if self.target is None or self.state is None:
+            raise RuntimeError(f"strategy {self.name!r}: start() it on a request before propose() or advance()")
+        return self.target, self.state
+
     def propose(self, state: DecodeState) -> DraftTree:
-        return graft_lookup(draft_tree(self.drafter, self.target, self.state, state.tree(self.tree)), state.tokens,
+        target, drafter_state = self._started()
+        return graft_lookup(draft_tree(self.drafter, target, drafter_state, state.tree(self.tree)), state.tokens,
                             self.tree)
 
     def advance(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        self.state.add(tokens, features)
+        self._started()[1].add(tokens, features)

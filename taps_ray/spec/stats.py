@@ -130,9 +130,10 @@ def depth_counts(outcomes: Iterable[Sequence[bool]], max_depth: int) -> DepthCou
     return counts
 
 
-def _mean(values: list[torch.Tensor]) -> float:
-    values = [v.reshape(-1) for v in values if v is not None]
-    flat = torch.cat(values) if values else torch.empty(0)
+def _mean(values: list[torch.Tensor | None]) -> float:
+    """The mean of every non-NaN element of the tensors given (None: none); NaN when there are none."""
+    present = [v.reshape(-1) for v in values if v is not None]
+    flat = torch.cat(present) if present else torch.empty(0)
     flat = flat[~flat.isnan()]
     return float(flat.mean()) if flat.numel() else _NAN
 

@@ -242,10 +242,10 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
         0, merged, torch.cat([t.entropy for t in trees]).float(), "mean", include_self=False)
     sources = torch.zeros(next_id, len(trees), dtype=torch.bool, device=device)
     sources[merged, source] = True
-    merged = build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
+    union = build_tree(m_tokens, m_parent, m_score, m_entropy, trees[0].prefix_len, {"sources": sources})
     if all(same_support(t.support, trees[0].support) for t in trees[1:]):
-        merged.support = trees[0].support
-    return merged
+        union.support = trees[0].support
+    return union
 
 
 class DraftCompute:
@@ -273,7 +273,7 @@ def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, half: bool = False
     ``half``: those rows as a :class:`~taps_ray.models.quant.HalfLinear` product, for a target that reads its
     own weights in half precision (``target.weights: fp16``): the draft head is the target's head, read in the
     target's format (4-10x float32's ``mm`` for the few rows drafted at once on the CPUs measured)."""
-    cached = drafter.__dict__.get("_head_rows")
+    cached: tuple[torch.Tensor, torch.Tensor, dict[str, HalfLinear]] | None = drafter.__dict__.get("_head_rows")
     if cached is None or cached[0] is not weight:
         rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
         cached = (weight, rows, {})
@@ -408,8 +408,8 @@ def draft_tree(drafter: DraftHead, target: TargetModel, state: DrafterState, tre
     tree's nodes are chosen on the draft vocabulary either way.
     """
     recorded, extra = state.support_rows(target, support)
-    out, root, r = _commit_pending(drafter, target, state)
-    candidates = _expand(drafter, target, state, out, r, tree_cfg, rows=extra is not None)
+    out, root, r, head = _commit_pending(drafter, target, state)
+    candidates = _expand(drafter, target, state, head, out, r, tree_cfg, rows=extra is not None)
     crop_cache(state.cache, r)
     return _assemble(candidates, root, r, tree_cfg, extra, recorded)
 
@@ -430,9 +430,10 @@ class _Candidates:
     rows: list | None
 
 
-def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _commit_pending(drafter: DraftHead, target: TargetModel,
+                    state: DrafterState) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | HalfLinear]:
     """Run the queued pairs into the drafter's cache: (the drafter's output [1, P, H], the root token [1],
-    the committed length)."""
+    the committed length, the draft LM head)."""
     device = target.device
     tokens, features = state.take_pending()
     r = state.committed + tokens.numel()
@@ -446,16 +447,17 @@ def _commit_pending(drafter: DraftHead, target: TargetModel, state: DrafterState
         state.head = draft_head_rows(drafter, target.lm_head.weight, half)
         if half:
             read_linears_in_half(drafter)
-    return out, tokens[-1:], r
+    return out, tokens[-1:], r, state.head
 
 
-def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: torch.Tensor, r: int,
+def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, head: torch.Tensor | HalfLinear,
+            out: torch.Tensor, r: int,
             tree_cfg: TreeConfig, rows: bool) -> _Candidates:
     """The root's top-K children, then ``depth`` levels: the drafter on the K frontier nodes at once
     (tree mask over its own cache), all K*K children scored, the global top K the next frontier."""
     device = target.device
     dtype = drafter.fc.weight.dtype
-    logp, ent, lse = state.compute.log_probs(state.head, drafter.readout(out[0, -1:]))
+    logp, ent, lse = state.compute.log_probs(head, drafter.readout(out[0, -1:]))
     k = min(tree_cfg.top_k, logp.shape[-1])
     depth = tree_cfg.depth
     n_cand = k + depth * k * k
@@ -487,7 +489,7 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
         hidden = state.compute.forward(drafter, target.embed_tokens(frontier_token)[None], frontier_feature[None],
                                        positions, state.cache, mask)[0]
         readout = drafter.readout(hidden)
-        logp, ent, lse = state.compute.log_probs(state.head, readout)
+        logp, ent, lse = state.compute.log_probs(head, readout)
         if c.rows is not None:
             c.rows.append((readout, lse, ent))
         top = logp.topk(k, dim=-1)
@@ -497,7 +499,7 @@ def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, out: t
         c.token[span], c.score[span] = child_token, child_score
         c.parent[span] = frontier_id.repeat_interleave(k)
         c.entropy[span], c.depth[span] = ent.repeat_interleave(k), level + 1
-        if c.rows is not None:
+        if c.row is not None:
             c.row[span] = 1 + (level - 1) * k + torch.arange(k, device=device).repeat_interleave(k)
         if level < depth:
             best = child_score.topk(k).indices
@@ -522,7 +524,7 @@ def _assemble(c: _Candidates, root: torch.Tensor, r: int, tree_cfg: TreeConfig, 
     mask = ancestor_mask(parent, tree_cfg.depth + 1)
     score = torch.cat([c.score.new_zeros(1), c.score[keep]])
     entropy = torch.cat([c.entropy.new_zeros(1), c.entropy[keep]])
-    if c.rows is not None:
+    if c.rows is not None and c.row is not None:
         hidden, lse, ent = (torch.cat(part) for part in zip(*c.rows))
         shift, widened = _widen(extra, hidden, lse, ent)
         node_row = c.row[keep]

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from taps_ray.models.target import TargetModel, TargetOutput, compact_cache
+from taps_ray.models.target import TargetCache, TargetModel, TargetOutput, compact_cache
 from taps_ray.spec.tree import DraftTree
 
 
@@ -45,7 +44,7 @@ def tree_attention(tree: DraftTree, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return mask[None, None], tree.positions[None]
 
 
-def run_tree(target: TargetModel, tree: DraftTree, cache: DynamicCache,
+def run_tree(target: TargetModel, tree: DraftTree, cache: TargetCache,
              layers: tuple[int, ...] | None = None) -> TargetOutput:
     """One target forward over the tree on top of ``cache`` (length r, extended by N); ``layers``: the hidden
     states the drafters read (``TargetModel.forward``)."""
@@ -123,6 +122,6 @@ def verify_sampling(
     return _walk(tree, choice)
 
 
-def compact_target(cache: DynamicCache, tree: DraftTree, verdict: Verdict) -> None:
+def compact_target(cache: TargetCache, tree: DraftTree, verdict: Verdict) -> None:
     """Keep the prefix and the accepted path's KV entries (in path order), drop the rest of the tree."""
     compact_cache(cache, tree.prefix_len, verdict.path)
