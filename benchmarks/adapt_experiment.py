@@ -16,7 +16,7 @@
 3. Before: tau of ``--drafter`` on the three held-out sets, decoded in-process (``single``, the config's
    tree, greedy).
 4. The traffic is replayed through the endpoint (``single:DRAFTER``, ``--concurrency`` clients).
-5. One round of :class:`taps_ray.train.watch.Watch` (``adapt.every`` = the traffic) adapts the serving
+5. One round of :class:`taps_ray.adapt.watch.Watch` (``adapt.every`` = the traffic) adapts the serving
    version (on a frozen copy of the capture folder) and promotes it if it passes the gate. While it
    trains, clients keep sending 8 assorted prompts of ``load_test.py`` (in no held-out set): every answer
    must be a 200 and equal in-process vanilla greedy.
@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
+    from taps_ray.adapt.promote import ServedDrafter
+    from taps_ray.adapt.watch import Watch
     from taps_ray.config import load_config
     from taps_ray.data.benchmarks import load_benchmark
+    from taps_ray.data.capture import captured_requests
     from taps_ray.models.target import TargetModel
     from taps_ray.serving.app import run as serve_app
-    from taps_ray.serving.capture import captured_requests
-    from taps_ray.serving.promote import ServedDrafter
     from taps_ray.train.launch import load_training_target
-    from taps_ray.train.watch import Watch
 
     served = dict(item.split("=", 1) for item in args.served.split(","))
     if args.drafter not in served:
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print("after:", {n: t["tau"] for n, t in after.items()}, flush=True)
     control = None
     if args.control:
-        from taps_ray.train.adapt import run_adapt
+        from taps_ray.adapt.finetune import run_adapt
 
         frozen = sorted((cfg.run_dir / "adapt").glob("traffic-*"))[-1]
         made = run_adapt(cfg, frozen, checkpoint, share=0.0, target=load_training_target(cfg))

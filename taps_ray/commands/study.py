@@ -86,8 +86,8 @@ def add_adapt(parser: argparse.ArgumentParser) -> None:
 
 
 def run_adapt(args: argparse.Namespace) -> int:
-    from taps_ray.serving.promote import PromotionError
-    from taps_ray.train.adapt import run_adapt as adapt
+    from taps_ray.adapt.finetune import run_adapt as adapt
+    from taps_ray.adapt.promote import PromotionError
 
     cfg = load_experiment(args)
     if args.watch:
@@ -113,8 +113,8 @@ def run_adapt(args: argparse.Namespace) -> int:
 def _watch(cfg, args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from taps_ray.serving.promote import PromotionError
-    from taps_ray.train.watch import watch
+    from taps_ray.adapt.promote import PromotionError
+    from taps_ray.adapt.watch import watch
 
     try:
         done = watch(cfg, args.traffic, args.drafter)

@@ -7,7 +7,7 @@ folder is complete only when ``_SUCCESS.json`` exists; it is written last, after
 rename, so an interrupted ``prepare`` is never read as complete. ``prompts.json`` beside the shards
 holds the hash of each row's first user turn (:mod:`taps_ray.data.contamination`). A set is opened
 only for the target it was computed for. :mod:`taps_ray.data.features` writes them; a serving
-capture (:mod:`taps_ray.serving.capture`) writes the same format with label columns readers leave
+capture (:mod:`taps_ray.data.capture`) writes the same format with label columns readers leave
 out, and one that keeps token ids only (manifest ``"features": false``) is not opened. A dataset
 whose source is ``{kind: features, path: DIR}`` is the feature set at DIR, read as it is (no key).
 """
@@ -163,7 +163,7 @@ def open_feature_set(path: Path, fingerprint: dict, name: str) -> FeatureSet:
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("features") is False:
         raise FeatureCacheError(f"features for {name!r} at {path} keep token ids only (a serving capture with "
-                                f"serve.capture.features false); compute them with taps_ray.serving.capture.fill_features")
+                                f"serve.capture.features false); compute them with taps_ray.data.capture.fill_features")
     for key in ("hidden_size", "vocab_size", "embed_hash"):
         if manifest["target"].get(key) != fingerprint.get(key):
             raise FeatureCacheError(

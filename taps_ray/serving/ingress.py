@@ -16,7 +16,7 @@ included (504 when it runs out before decoding starts). ``/health`` answers from
 ``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
 ``/v1/models`` and ``/metrics`` (``taps_drafter_version``) show the drafter version each drafter's replicas
 serve, asked of the replicas (at most every :data:`DRAFTERS_CACHE_S`), so a promotion
-(:mod:`taps_ray.serving.promote`) shows there as soon as it is done.
+(:mod:`taps_ray.adapt.promote`) shows there as soon as it is done.
 
 Exposure fails closed here too, whatever deployed the application (``taps serve``, ``serve deploy``, a
 RayService): an ingress without API keys starts only when the address Serve's HTTP proxies bind (the Serve

@@ -5,7 +5,7 @@ A :class:`DecodeSession` is the loop's step observer (:class:`~taps_ray.spec.str
 turns the tokens and text the loop commits into ``delta`` events (with the logprobs of the tokens that
 text consumed, :mod:`taps_ray.serving.logprobs`), and ends with the ``done`` event (finish reason, usage,
 the ``taps`` block of :func:`summarize`) from the loop's result. Stop sequences, cancellation, deadlines and
-the node limit are the loop's. With a capture writer (:mod:`taps_ray.serving.capture`), the finished
+the node limit are the loop's. With a capture writer (:mod:`taps_ray.data.capture`), the finished
 request is then handed to it with the features the loop computed.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from taps_ray.config import SamplingConfig
+from taps_ray.data.capture import CaptureWriter, request_prompt_hash, step_labels
 from taps_ray.models.target import TargetModel
-from taps_ray.serving.capture import CaptureWriter, request_prompt_hash, step_labels
 from taps_ray.serving.drafting import RemoteStrategy
 from taps_ray.serving.logprobs import LogprobStream, TokenPieces
 from taps_ray.serving.plan import DecodeRequest, Plan

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from taps_ray.config import SamplingConfig, ServeConfig, TargetConfig, TreeConfig
+from taps_ray.data.capture import CaptureWriter, capture_dir
 from taps_ray.models.target import TargetModel
-from taps_ray.serving.capture import CaptureWriter, capture_dir
 from taps_ray.serving.drafter import node_id, rss_bytes
 from taps_ray.serving.drafting import (
     DrafterClient,
@@ -77,7 +77,7 @@ class Verifier:
     it waits in the pool (``waiting``) and starts when the old loop has stopped.
 
     With ``serve.capture.enabled``, finished requests are kept as training rows by a
-    :class:`~taps_ray.serving.capture.CaptureWriter` (its buffer is written when the replica shuts down).
+    :class:`~taps_ray.data.capture.CaptureWriter` (its buffer is written when the replica shuts down).
     """
 
     capture: CaptureWriter | None = None

@@ -16,10 +16,10 @@ import torch
 from openai import OpenAI
 from ray import serve
 
+from taps_ray.adapt.promote import ServedDrafter
 from taps_ray.config import TreeConfig, load_config
 from taps_ray.data.feature_sets import MANIFEST, open_feature_set
 from taps_ray.serving.app import drafter_deployment_name
-from taps_ray.serving.promote import ServedDrafter
 from taps_ray.spec.decoder import generate, load_drafter
 from taps_ray.spec.protocol import SingleStrategy
 from tests.serving.helpers import metric as _metric

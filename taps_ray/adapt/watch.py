@@ -3,21 +3,21 @@
 The loop joins the serving cluster (``RAY_ADDRESS``, as a Ray job does) and follows one drafter
 (``adapt.drafter``) of the application ``serve.app_name`` and its capture folder (``serve.capture``).
 Every ``adapt.poll_s`` it reads how many requests the folder has captured
-(:func:`~taps_ray.serving.capture.captured_requests`; a verifier replica writes its rows
+(:func:`~taps_ray.data.capture.captured_requests`; a verifier replica writes its rows
 ``serve.capture.rows_per_shard`` at a time) and moves drafter replicas that Serve started since the last
-promotion to the promoted version (:meth:`~taps_ray.serving.promote.ServedDrafter.reconcile`). Once
+promotion to the promoted version (:meth:`~taps_ray.adapt.promote.ServedDrafter.reconcile`). Once
 ``adapt.every`` requests have been captured since the last round, and the folder keeps more rows than
 ``train.heldout_rows``, a round runs:
 
 1. the capture folder is frozen into ``<run folder>/adapt/traffic-<captured>``
-   (:func:`~taps_ray.serving.capture.snapshot`: hard links, so no copy of the features), and
-   :func:`~taps_ray.train.adapt.run_adapt` fine-tunes the version now serving on that traffic mixed
+   (:func:`~taps_ray.data.capture.snapshot`: hard links, so no copy of the features), and
+   :func:`~taps_ray.adapt.finetune.run_adapt` fine-tunes the version now serving on that traffic mixed
    with its original datasets (a Ray Train run that asks for ``train.num_workers`` workers and nothing
    more, so serving keeps its replicas) and scores before / after on the same held-out rows;
-2. :func:`~taps_ray.serving.promote.decide` gates it (``adapt.margin``, ``adapt.min_gain``);
+2. :func:`~taps_ray.adapt.promote.decide` gates it (``adapt.margin``, ``adapt.min_gain``);
 3. a version that passes is promoted through the hot-swap path (running requests keep their drafter),
    one that does not stays in its folder; one that reached only some replicas is rolled back on all of
-   them (:class:`~taps_ray.serving.promote.PartialSwap`) and kept aside, logged and recorded ``partial``;
+   them (:class:`~taps_ray.adapt.promote.PartialSwap`) and kept aside, logged and recorded ``partial``;
 4. the decision goes to the promotion log (``<run folder>/adapt/promotions.jsonl``, with the captured count
    it was taken at) and to the version folder's ``promotion.json``;
 5. what the loop no longer needs is deleted (:meth:`Watch.prune`): the drafter's versions but the last
@@ -46,10 +46,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
 
-from taps_ray.config import ExperimentConfig
-from taps_ray.runstate import FolderLocked, folder_lock, write_json
-from taps_ray.serving.capture import capture_dir, captured_requests, snapshot
-from taps_ray.serving.promote import (
+from taps_ray.adapt.finetune import VERSION_PREFIX, AdaptError, run_adapt
+from taps_ray.adapt.promote import (
     Decision,
     PartialSwap,
     Promotion,
@@ -58,7 +56,9 @@ from taps_ray.serving.promote import (
     decide,
     record,
 )
-from taps_ray.train.adapt import VERSION_PREFIX, AdaptError, run_adapt
+from taps_ray.config import ExperimentConfig
+from taps_ray.data.capture import capture_dir, captured_requests, snapshot
+from taps_ray.runstate import FolderLocked, folder_lock, write_json
 from taps_ray.train.variant import TrainLaunchError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ PRUNED = ".pruned"
 
 
 class PromotionTarget(Protocol):
-    """What the loop promotes into: :class:`~taps_ray.serving.promote.ServedDrafter`, or an in-process
+    """What the loop promotes into: :class:`~taps_ray.adapt.promote.ServedDrafter`, or an in-process
     stand-in in tests."""
 
     promoted: str | None
@@ -243,8 +243,8 @@ def _remove(path: Path) -> bool:
 def watch(cfg: ExperimentConfig, traffic: str | Path | None = None, drafter: str | None = None,
           stop: threading.Event | None = None) -> list[Promotion]:
     """``taps adapt --watch``: :class:`Watch` over drafter ``drafter`` of the running application."""
+    from taps_ray.adapt.promote import ServedDrafter
     from taps_ray.ray_utils import init_ray
-    from taps_ray.serving.promote import ServedDrafter
 
     name = watched_drafter(cfg, drafter)
     init_ray()

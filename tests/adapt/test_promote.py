@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from taps_ray.config import load_config
-from taps_ray.serving.promote import (
+from taps_ray.adapt.promote import (
     Decision,
     PartialSwap,
     PromotionError,
@@ -16,6 +15,7 @@ from taps_ray.serving.promote import (
     decide,
     record,
 )
+from taps_ray.config import load_config
 
 
 def tau(traffic: tuple[float, float], **originals: tuple[float, float]) -> dict:

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from taps_ray import cli
+from taps_ray.adapt.finetune import AdaptError, gate_domains, model_card, run_adapt
 from taps_ray.config import CaptureConfig, ConfigError, load_config
+from taps_ray.data.capture import TRAFFIC
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash
 from taps_ray.models.drafter import DraftHead
-from taps_ray.serving.capture import TRAFFIC
-from taps_ray.train.adapt import AdaptError, gate_domains, model_card, run_adapt
-from tests.serving.test_capture import decode, make_verifier
+from tests.data.test_capture import decode, make_verifier
 from tests.spec.spec_helpers import oracle_drafter
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment, write_features
 
@@ -163,7 +163,7 @@ def test_the_adapt_sweep_spec_varies_the_traffic_share_of_a_fine_tuning(tmp_path
 
 
 class InProcessDrafter:
-    """A :class:`~taps_ray.train.watch.PromotionTarget` over the in-process verifier's drafter ``a``: a swap
+    """A :class:`~taps_ray.adapt.watch.PromotionTarget` over the in-process verifier's drafter ``a``: a swap
     loads the checkpoint into its drafting sessions, as a Drafter replica's ``reconfigure`` does."""
 
     def __init__(self, verifier, target, checkpoint: str):
@@ -192,9 +192,9 @@ def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_ga
     loop serves the promoted version again (a replica restarted from the configured checkpoint is moved back),
     and round 2, from that version, is kept aside by a gain it cannot reach; with no new requests no round
     is due."""
-    from taps_ray.serving.capture import captured_requests
-    from taps_ray.serving.promote import PromotionLog
-    from taps_ray.train.watch import PROMOTION_FILE, Watch
+    from taps_ray.adapt.promote import PromotionLog
+    from taps_ray.adapt.watch import PROMOTION_FILE, Watch
+    from taps_ray.data.capture import captured_requests
 
     path, target, source, traffic, tmp = setup
     monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))
@@ -237,7 +237,7 @@ def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_ga
 
 
 def test_an_eagle3_source_is_refused_until_traffic_stores_its_layers(tmp_path):
-    from taps_ray.train.adapt import adapt_experiment
+    from taps_ray.adapt.finetune import adapt_experiment
 
     cfg = load_config(None, ["data.datasets={math: {domain: math, alternatives: [{kind: gsm8k_test_split}]}}"])
     meta = {"algorithm": "eagle3", "data": ["math"], "objective": {"ttt_steps": 2}}

@@ -1,5 +1,5 @@
 """The ``taps adapt --watch`` loop around its training and its swap (both faked here; the end-to-end loop is in
-``test_adapt.py``): what it prunes after a round, how it shares the run folder with other commands, and
+``test_finetune.py``): what it prunes after a round, how it shares the run folder with other commands, and
 what it records when a swap reached only some replicas."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from taps_ray.adapt import watch as watch_module
+from taps_ray.adapt.finetune import AdaptError, AdaptResult, next_version
+from taps_ray.adapt.promote import PartialSwap, PromotionLog
+from taps_ray.adapt.watch import Watch
 from taps_ray.config import CaptureConfig, load_config
+from taps_ray.data.capture import CaptureWriter
 from taps_ray.runstate import FolderLocked
-from taps_ray.serving.capture import CaptureWriter
-from taps_ray.serving.promote import PartialSwap, PromotionLog
-from taps_ray.train import watch as watch_module
-from taps_ray.train.adapt import AdaptError, AdaptResult, next_version
 from taps_ray.train.variant import TrainLaunchError
-from taps_ray.train.watch import Watch
 
 FINGERPRINT = {"name": "fake", "hidden_size": 8, "vocab_size": 32, "embed_hash": "0"}
 EVERY = 5
@@ -52,7 +52,7 @@ class FakeAdapt:
 
 
 class FakeServed:
-    """A :class:`~taps_ray.train.watch.PromotionTarget` whose replicas all take every swap."""
+    """A :class:`~taps_ray.adapt.watch.PromotionTarget` whose replicas all take every swap."""
 
     def __init__(self, checkpoint: str):
         self.checkpoint, self.promoted, self.swaps = checkpoint, None, []
@@ -202,7 +202,7 @@ def test_a_second_loop_on_the_same_drafter_and_run_folder_is_refused_naming_the_
     traffic = tmp_path / "capture"
     capture(traffic)
     quiet = experiment_overrides(tmp_path, "adapt.every=1000")
-    first = hold("from taps_ray.config import load_config\nfrom taps_ray.train.watch import Watch\n"
+    first = hold("from taps_ray.config import load_config\nfrom taps_ray.adapt.watch import Watch\n"
                  "class Served:\n    promoted = None\n    printed = False\n"
                  "    def reconcile(self):\n        if not self.printed:\n            print('held', flush=True)\n"
                  "        self.printed = True\n        return 0\n"

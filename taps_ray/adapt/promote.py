@@ -3,7 +3,7 @@
 :func:`decide` is the gate, from the ``tau`` record ``taps adapt`` writes (held-out tau before / after per
 domain): a version is promoted only if its tau on the traffic beats the serving version's by more than
 ``min_gain`` and it loses no more than ``margin`` on any other domain of the record (the drafter's own
-datasets and every other prepared dataset, :func:`~taps_ray.train.adapt.gate_domains`); otherwise it is kept aside (its
+datasets and every other prepared dataset, :func:`~taps_ray.adapt.finetune.gate_domains`); otherwise it is kept aside (its
 folder stays, with the reason in the promotion log).
 
 :class:`ServedDrafter` is one drafter deployment of a running application, through Serve's public handle
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from taps_ray.config import ExperimentConfig
+from taps_ray.data.capture import TRAFFIC
 from taps_ray.runstate import append_jsonl, read_jsonl
-from taps_ray.serving.capture import TRAFFIC
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from taps_ray.config import CaptureConfig, ServeConfig, TreeConfig
+from taps_ray.data.capture import CaptureWriter, captured_requests, fill_features, snapshot
 from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
 from taps_ray.data.feature_sets import MANIFEST, FeatureCacheError, decode_row, open_feature_set
 from taps_ray.data.features import FeatureActor
-from taps_ray.serving.capture import CaptureWriter, captured_requests, fill_features, snapshot
 from taps_ray.serving.drafter import DraftSessions
 from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.verifier import Verifier
@@ -214,7 +214,7 @@ def test_capture_files_and_folders_are_private_and_old_shards_age_out(target, dr
                             max_age_s=60)
     verifier = make_verifier(target, drafters, capture)
     clock = [1_000_000.0]
-    monkeypatch.setattr("taps_ray.serving.capture.time.time", lambda: clock[0])
+    monkeypatch.setattr("taps_ray.data.capture.time.time", lambda: clock[0])
     for prompt in PROMPTS[:2]:
         decode(verifier, prompt)
         clock[0] += 45

@@ -1,7 +1,7 @@
 """``taps adapt``: a new drafter version fine-tuned on captured serving traffic mixed with its original data.
 
 :func:`adapt_experiment` turns the experiment into a one-variant training run: dataset ``traffic`` (a
-``{kind: features}`` source on the capture folder, :mod:`taps_ray.serving.capture`), mixture ``adapt``
+``{kind: features}`` source on the capture folder, :mod:`taps_ray.data.capture`), mixture ``adapt``
 (``ratio``: ``traffic_share`` of the rows from the traffic, the rest split evenly over the source
 drafter's original datasets, against forgetting; ``total``: ``adapt.rows``) and variant ``adapt-vN``
 (the source's algorithm and objective, ``train.init_from`` = the source). ``new`` trains a fresh specialist
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from taps_ray.config import ExperimentConfig, ObjectiveConfig, VariantConfig
+from taps_ray.data.capture import TRAFFIC
 from taps_ray.runstate import atomic_copy, write_json
-from taps_ray.serving.capture import TRAFFIC
 
 log = logging.getLogger(__name__)
 
