@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.runtime.cluster import init_ray
 
     ray = init_ray()
     prompts = PROMPTS[1:1 + args.prompts]

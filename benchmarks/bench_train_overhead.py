@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="train-overhead-"))
     os.environ["TAPS_CACHE"] = str(tmp / "cache")
     from taps_ray.config import load_config
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.runtime.cluster import init_ray
     from taps_ray.train.launch import run_training
     from tests.train.train_helpers import tiny_experiment
 

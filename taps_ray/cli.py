@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _route_ray_logs(args: argparse.Namespace) -> Path | None:
     """Ray's own messages to ``<run folder>/logs/ray.log`` for a command that runs Ray (see
-    :func:`taps_ray.ray_utils.route_ray_logs`); the path, named on the console, or None."""
+    :func:`taps_ray.runtime.cluster.route_ray_logs`); the path, named on the console, or None."""
     run_folder = _run_folder(args)
     if run_folder is None:
         return None
-    from taps_ray.ray_utils import ray_log_path, route_ray_logs
+    from taps_ray.runtime.cluster import ray_log_path, route_ray_logs
 
     try:
         path = route_ray_logs(ray_log_path(run_folder))
@@ -141,7 +141,7 @@ def _end_ray_log(args: argparse.Namespace, path: Path) -> None:
     """Name the Ray log again when Ray ran; otherwise give Ray's loggers their console back."""
     import ray
 
-    from taps_ray.ray_utils import stop_routing_ray_logs
+    from taps_ray.runtime.cluster import stop_routing_ray_logs
 
     if ray.is_initialized():  # stays routed until exit: Ray's shutdown still writes
         print(f"taps {args.command}: Ray's log of this run: {_shown(path)}", file=sys.stderr, flush=True)

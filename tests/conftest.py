@@ -27,7 +27,7 @@ def pytest_configure(config):
     of two ingress replicas). Every process of the tests' clusters inherits it.
 
     The tests' clusters run without Ray's token authentication (as CI always has; set RAY_AUTH_MODE=token to
-    run them with it); ``taps`` itself never turns it off (``tests/test_ray_utils.py``)."""
+    run them with it); ``taps`` itself never turns it off (``tests/runtime/test_cluster.py``)."""
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the tests' own clusters; the product keeps Ray's default
     os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
@@ -93,7 +93,7 @@ requires_data = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def ray_session():
     """One in-process Ray cluster for the whole test run."""
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.runtime.cluster import init_ray
 
     ray = init_ray(num_cpus=4)
     yield ray

@@ -25,7 +25,7 @@ def two_node_cluster(head: dict, worker: dict) -> Iterator[tuple[object, object]
     import ray
     from ray.cluster_utils import Cluster
 
-    from taps_ray.ray_utils import set_ray_env
+    from taps_ray.runtime.cluster import set_ray_env
 
     set_ray_env()
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -45,7 +45,7 @@ def storage_check(tmp: str) -> dict:
     every node sees the marker, so the directory passes as ``shared``; no marker is left behind."""
     from pathlib import Path
 
-    from taps_ray.storage import MARKER_PREFIX, alive_nodes, check_shared_storage
+    from taps_ray.runtime.storage import MARKER_PREFIX, alive_nodes, check_shared_storage
 
     nodes = alive_nodes()
     assert len(nodes) == 2, nodes

@@ -1,6 +1,6 @@
 """Crash-safe run state (:mod:`taps_ray.runstate`): atomic writes with unique temporary names, JSON-lines
 readers that survive a torn last line, folder locks that name their holder and die with it, and the
-settings-changed check; plus the fault-injection parsers (:mod:`taps_ray.faults`)."""
+settings-changed check; plus the fault-injection parsers (:mod:`taps_ray.runtime.faults`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from taps_ray import faults, runstate
+from taps_ray import runstate
 from taps_ray.runstate import (
     FolderLocked,
     RunStateError,
@@ -28,6 +28,7 @@ from taps_ray.runstate import (
     temp_name,
     write_json,
 )
+from taps_ray.runtime import faults
 from tests.conftest import REPO
 
 

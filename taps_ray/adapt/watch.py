@@ -244,7 +244,7 @@ def watch(cfg: ExperimentConfig, traffic: str | Path | None = None, drafter: str
           stop: threading.Event | None = None) -> list[Promotion]:
     """``taps adapt --watch``: :class:`Watch` over drafter ``drafter`` of the running application."""
     from taps_ray.adapt.promote import ServedDrafter
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.runtime.cluster import init_ray
 
     name = watched_drafter(cfg, drafter)
     init_ray()

@@ -32,8 +32,8 @@ from taps_ray.data.feature_sets import (
     open_feature_set,
     stored_layers,
 )
-from taps_ray.ray_utils import quiet_ray_data
 from taps_ray.runstate import folder_lock, write_json
+from taps_ray.runtime.cluster import quiet_ray_data
 from taps_ray.spec.cost import TreeBudget
 
 log = logging.getLogger(__name__)
@@ -416,7 +416,7 @@ def prepare_features(cfg: ExperimentConfig, names: list[str] | None = None, targ
     target = target or TargetModel.load(cfg.target)
     fingerprint = target.fingerprint.to_dict()
     if any(not (feature_set_path(cfg, n, fingerprint) / MANIFEST).exists() for n in names):
-        from taps_ray.ray_utils import init_ray
+        from taps_ray.runtime.cluster import init_ray
 
         init_ray()
     return [prepare_dataset(cfg, n, target) for n in names]

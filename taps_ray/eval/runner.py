@@ -110,7 +110,7 @@ def _run_local(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], N
 
 
 def _run_ray(plan: EvalPlan, units: list[Unit], emit: Callable[[list[dict]], None], target_factory) -> None:
-    from taps_ray.ray_utils import init_ray  # Ray only when the run shards over actors
+    from taps_ray.runtime.cluster import init_ray  # Ray only when the run shards over actors
 
     ray = init_ray()
     actors_n = max(1, min(plan.num_actors, len(units)))

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from taps_ray import ray_compat
 from taps_ray.config import ConfigError, ExperimentConfig, ServeConfig, apply_overrides, load_config
+from taps_ray.runtime import ray_compat
 from taps_ray.serving.access import exposure_refusal, open_warning, resolve_api_keys
 from taps_ray.serving.drafter import Drafter, SessionAffinityRouter
 from taps_ray.serving.ingress import Ingress
@@ -150,7 +150,7 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
     before anything starts, for a bind beyond loopback without API keys (:func:`~taps_ray.serving.access.
     exposure_refusal`) or a blank ``TAPS_API_KEY``."""
 
-    from taps_ray.ray_utils import init_ray
+    from taps_ray.runtime.cluster import init_ray
 
     host = host or cfg.serve.host
     port = port or cfg.serve.port

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from ray.serve.request_router import RequestRouter
 
-from taps_ray import faults
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead, average_drafters
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_head import load_target_head
+from taps_ray.runtime import faults
 from taps_ray.spec.batch import DraftBatcher
 from taps_ray.spec.decoder import load_drafter
 from taps_ray.spec.protocol import at_depth

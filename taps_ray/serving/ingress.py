@@ -41,8 +41,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from taps_ray import ray_compat
 from taps_ray.config import SamplingConfig, ServeConfig
+from taps_ray.runtime import ray_compat
 from taps_ray.serving import access, errors, protocol
 from taps_ray.serving import metrics as serving_metrics
 from taps_ray.serving.admission import Admission, VerifierStream, cancel_call
@@ -192,7 +192,7 @@ class SharedFill:
 
 def served_host() -> str | None:
     """The address Serve's HTTP proxies bind, asked of the Serve controller off the event loop
-    (:func:`~taps_ray.ray_compat.serve_http_host`); None without a controller (an ingress built in-process)."""
+    (:func:`~taps_ray.runtime.ray_compat.serve_http_host`); None without a controller (an ingress built in-process)."""
     with ThreadPoolExecutor(1, thread_name_prefix="taps-serve-host") as pool:
         return pool.submit(ray_compat.serve_http_host).result()
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from taps_ray import faults
 from taps_ray.config import ExperimentConfig
+from taps_ray.runtime import faults
 from taps_ray.sweeps.config import InterpolationSweepSpec, MixtureSweepSpec, SweepError, SweepSpec
 from taps_ray.sweeps.resources import TrialResources
 

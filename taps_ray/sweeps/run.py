@@ -129,9 +129,9 @@ def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_
     """:func:`run_sweep` into ``out``, whose lock this process holds."""
     from ray import tune
 
-    from taps_ray.ray_utils import init_ray
-    from taps_ray.storage import SharedStorageError, check_shared_storage
-    from taps_ray.train.placement import remove_recorded
+    from taps_ray.runtime.cluster import init_ray
+    from taps_ray.runtime.placement import remove_recorded
+    from taps_ray.runtime.storage import SharedStorageError, check_shared_storage
 
     init_ray()
     _quiet_tune()

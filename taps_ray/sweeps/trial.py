@@ -1,7 +1,7 @@
 """What every sweep trial shares: tau on held-out prompts with the core decoder, attempt records,
 failure injection, and a per-process cache of loaded targets.
 
-Failure injection (tests, drills): ``$TAPS_SWEEP_FAIL`` (read by the driver, :func:`taps_ray.faults.trial_fault`).
+Failure injection (tests, drills): ``$TAPS_SWEEP_FAIL`` (read by the driver, :func:`taps_ray.runtime.faults.trial_fault`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from taps_ray import faults
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import append_jsonl, read_jsonl
+from taps_ray.runtime import faults
 from taps_ray.spec import stats
 from taps_ray.spec.decoder import greedy_steps
 
@@ -30,7 +30,7 @@ _TARGETS: dict[str, TargetModel] = {}
 class TrialContext:
     """What every trial needs, resolved on the driver: ``target``, the :class:`TargetConfig` dump tau is
     measured with; ``prompts``, domain -> held-out prompt token ids; the ``tree``; the sweep folder
-    ``out_dir``; torch ``threads``; the fault to inject (``fail``, :func:`taps_ray.faults.trial_fault`)."""
+    ``out_dir``; torch ``threads``; the fault to inject (``fail``, :func:`taps_ray.runtime.faults.trial_fault`)."""
 
     target: dict
     prompts: dict[str, list[list[int]]]

@@ -193,7 +193,7 @@ def run_training(cfg: ExperimentConfig, variant_names: list[str] | None = None, 
     input problems before anything is trained; a variant whose training fails is reported in the
     summary (``status`` failed) after the others finish. One process at a time trains into a run
     folder (:func:`taps_ray.runstate.folder_lock`); on a multi-node cluster the run folder must be storage
-    every node shares (:func:`taps_ray.storage.check_shared_storage`, a :class:`TrainLaunchError` otherwise).
+    every node shares (:func:`taps_ray.runtime.storage.check_shared_storage`, a :class:`TrainLaunchError` otherwise).
     """
     started = time.time()
     variants = select_variants(cfg, variant_names)
@@ -207,8 +207,8 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
     """:func:`run_training` in ``run_dir``, whose lock this process holds."""
     import ray
 
-    from taps_ray.ray_utils import init_ray
-    from taps_ray.storage import SharedStorageError, check_shared_storage
+    from taps_ray.runtime.cluster import init_ray
+    from taps_ray.runtime.storage import SharedStorageError, check_shared_storage
 
     target = target or load_training_target(cfg)
     fingerprint = target.fingerprint.to_dict()

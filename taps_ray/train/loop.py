@@ -26,7 +26,7 @@ epoch before it are regenerated in the same seeded order and skipped without dec
 is trained twice and the final step count is unchanged. Rank 0 appends ``metrics.jsonl`` and cuts
 it back to the resumed step on start.
 
-Failure injection (tests, :mod:`taps_ray.faults`): ``fail_at_step`` or ``$TAPS_TRAIN_FAIL_AT_STEP`` =
+Failure injection (tests, :mod:`taps_ray.runtime.faults`): ``fail_at_step`` or ``$TAPS_TRAIN_FAIL_AT_STEP`` =
 ``N`` (every variant) or ``variant:N[,variant:N]`` raises before step ``N`` once per rank (a marker
 file next to ``metrics_path`` records that it happened).
 """
@@ -45,12 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taps_ray import faults
 from taps_ray.config import ObjectiveConfig, TrainConfig
 from taps_ray.data.contamination import write_trained_prompts
 from taps_ray.models.drafter import DrafterLoadError, DraftHead, drafter_class
 from taps_ray.models.target import TargetFingerprint
 from taps_ray.runstate import append_jsonl, read_jsonl, write_jsonl
+from taps_ray.runtime import faults
 from taps_ray.train.batches import collate, epoch_batches, heldout_rows, steps_per_epoch
 from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
@@ -245,7 +245,7 @@ def _quiet_report_logs() -> None:
     the module file, so ``LoggingConfig`` does not reach it)."""
     import logging
 
-    from taps_ray.ray_compat import train_report_logger_name
+    from taps_ray.runtime.ray_compat import train_report_logger_name
 
     logging.getLogger(train_report_logger_name()).setLevel(logging.WARNING)
 

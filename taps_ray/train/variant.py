@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from taps_ray import faults
 from taps_ray.config import ExperimentConfig, TrainConfig, VariantConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, TRAINED_PROMPTS, trained_prompts_record
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureError, MixtureSelection, select_mixture, split_rows
 from taps_ray.drafter_sources import absolute_drafter_spec
 from taps_ray.runstate import atomic_copy
+from taps_ray.runtime import faults
 from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
 from taps_ray.train.shards import FEATURE_COLUMNS, plan_blocks
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
@@ -229,10 +229,10 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
 
 def _trainer_class():
     """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
-    state API, which needs a dashboard (see :mod:`taps_ray.train.placement`)."""
+    state API, which needs a dashboard (see :mod:`taps_ray.runtime.placement`)."""
     from ray.train.torch import TorchTrainer
 
-    from taps_ray.ray_compat import trainer_replacing_placement_group_cleaner
-    from taps_ray.train.placement import ReaperCallback
+    from taps_ray.runtime.placement import ReaperCallback
+    from taps_ray.runtime.ray_compat import trainer_replacing_placement_group_cleaner
 
     return trainer_replacing_placement_group_cleaner(TorchTrainer, ReaperCallback, "DrafterTrainer")

@@ -447,10 +447,11 @@ def test_binding_beyond_loopback_without_keys_is_refused_unless_allowed_explicit
 
 def test_taps_serve_refuses_a_public_bind_without_keys_before_starting_anything(monkeypatch, capsys):
     """Through the CLI: exit 2 with the reason; Ray is never started (a started cluster fails the test)."""
-    from taps_ray import cli, ray_utils
+    from taps_ray import cli
+    from taps_ray.runtime import cluster
 
     monkeypatch.delenv("TAPS_API_KEY", raising=False)
-    monkeypatch.setattr(ray_utils, "init_ray", lambda *a, **k: pytest.fail("Ray started for a refused bind"))
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: pytest.fail("Ray started for a refused bind"))
     assert cli.main(["serve", "configs/demo.yaml", "--host", "0.0.0.0"]) == 2
     assert "refusing to serve on '0.0.0.0' without API keys" in capsys.readouterr().err
     monkeypatch.setenv("TAPS_API_KEY", " ")
@@ -462,7 +463,7 @@ def test_taps_serve_refuses_a_public_bind_without_keys_before_starting_anything(
 def controller_binds(monkeypatch):
     """``bound(host)``: the Serve controller says its HTTP proxies bind ``host`` (None: no controller runs); no
     key in the environment."""
-    from taps_ray import ray_compat
+    from taps_ray.runtime import ray_compat
 
     monkeypatch.delenv(access.ENV_KEYS, raising=False)
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 from ray import serve
 
-from taps_ray import ray_compat
+from taps_ray.runtime import ray_compat
 from tests.conftest import REPO
 from tests.serving.helpers import free_port, metric
 

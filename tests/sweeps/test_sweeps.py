@@ -23,11 +23,11 @@ from ray.tune import Callback
 
 from taps_ray import cli
 from taps_ray.config import load_config
-from taps_ray.faults import SWEEP_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
+from taps_ray.runtime.faults import SWEEP_ENV as FAIL_ENV
+from taps_ray.runtime.placement import RECORD
 from taps_ray.sweeps.config import ObjectiveSpec, SweepError, SweepSpecError, parse_spec
 from taps_ray.sweeps.run import run_sweep
-from taps_ray.train.placement import RECORD
 from tests.conftest import make_tiny_target
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment
 

@@ -24,9 +24,9 @@ from taps_ray.config import load_config
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash, write_feature_prompts
 from taps_ray.data.feature_sets import FeatureSet
 from taps_ray.data.mixtures import MixtureSelection
-from taps_ray.faults import TRAIN_DELAY_ENV
-from taps_ray.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.models.drafter import DraftHead
+from taps_ray.runtime.faults import TRAIN_DELAY_ENV
+from taps_ray.runtime.faults import TRAIN_ENV as FAIL_ENV
 from taps_ray.train.launch import TrainLaunchError, run_training
 from taps_ray.train.variant import trained_prompts
 from tests.conftest import REPO

@@ -52,7 +52,7 @@ def check_ray_version(version: str | None = None, environ=os.environ) -> str:
     if plain and low <= release < high:
         return version
     tested = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
-    message = (f"taps_ray uses private Ray APIs (taps_ray/ray_compat.py) tested only on ray{tested}, but ray "
+    message = (f"taps_ray uses private Ray APIs (taps_ray/runtime/ray_compat.py) tested only on ray{tested}, but ray "
                f"{version} is installed. Install the pinned version (pip install -e .), or set {ESCAPE_ENV}=1 "
                f"to run anyway at your own risk")
     if environ.get(ESCAPE_ENV) == "1":
@@ -73,7 +73,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# --- Ray core: the printer of streamed worker output (see taps_ray.ray_utils) ---
+# --- Ray core: the printer of streamed worker output (see taps_ray.runtime.cluster) ---
 
 def worker_log_printer():
     """The function the driver calls with each batch of output streamed from Ray processes

@@ -1,4 +1,4 @@
-"""Private Ray APIs only in taps_ray/ray_compat.py, and its check of the installed Ray version."""
+"""Private Ray APIs only in taps_ray/runtime/ray_compat.py, and its check of the installed Ray version."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from importlib import metadata
 
 import pytest
 
-from taps_ray import ray_compat
-from taps_ray.ray_compat import ESCAPE_ENV, UntestedRayError, check_ray_version
+from taps_ray.runtime import ray_compat
+from taps_ray.runtime.ray_compat import ESCAPE_ENV, UntestedRayError, check_ray_version
 from tests.conftest import REPO
 
 PRIVATE = re.compile(r"\bray(?:\.\w+)*\.(?:_private|_internal|_raylet)\b")
@@ -32,7 +32,7 @@ def private_ray_uses(source: str) -> list[str]:
 def test_no_module_but_ray_compat_uses_private_ray_apis():
     uses = {str(path.relative_to(REPO)): found for path in sorted((REPO / "taps_ray").rglob("*.py"))
             if path.name != "ray_compat.py" and (found := private_ray_uses(path.read_text()))}
-    assert not uses, f"private Ray APIs outside taps_ray/ray_compat.py: {uses}"
+    assert not uses, f"private Ray APIs outside taps_ray/runtime/ray_compat.py: {uses}"
 
 
 @pytest.mark.parametrize("source", [
@@ -78,7 +78,7 @@ def test_the_installed_and_the_pinned_ray_are_tested():
 @pytest.mark.parametrize("escape", [None, "1"])
 def test_importing_it_under_an_untested_ray_fails_unless_escaped(escape):
     code = ("import importlib.metadata as m; m.version = lambda name: '2.99.0'\n"
-            "import taps_ray.ray_compat\nprint('imported')")
+            "import taps_ray.runtime.ray_compat\nprint('imported')")
     env = {"PATH": "", **({ESCAPE_ENV: escape} if escape else {})}
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     if escape:
@@ -89,7 +89,7 @@ def test_importing_it_under_an_untested_ray_fails_unless_escaped(escape):
 
 @pytest.mark.slow
 def test_the_trainer_override_replaces_rays_placement_group_cleaner():
-    from taps_ray.ray_utils import set_ray_env
+    from taps_ray.runtime.cluster import set_ray_env
 
     set_ray_env()  # Train V2
     from ray.train import ScalingConfig

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from taps_ray.ray_compat import ControllerCallback, WorkerGroupCallback, placement_group_from_hex
+from taps_ray.runtime.ray_compat import ControllerCallback, WorkerGroupCallback, placement_group_from_hex
 
 log = logging.getLogger(__name__)
 RECORD = "placement_groups.txt"

@@ -1,11 +1,17 @@
-"""taps_ray.storage: the shared-storage decision with an injected probe (no Ray); the real probe on a
+"""taps_ray.runtime.storage: the shared-storage decision with an injected probe (no Ray); the real probe on a
 two-node cluster is in tests/test_multinode.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from taps_ray.storage import MARKER_PREFIX, NodeRef, SharedStorageError, check_shared_storage, is_remote_uri
+from taps_ray.runtime.storage import (
+    MARKER_PREFIX,
+    NodeRef,
+    SharedStorageError,
+    check_shared_storage,
+    is_remote_uri,
+)
 
 HEAD = NodeRef("a" * 56, "10.0.0.1")
 OTHER = NodeRef("b" * 56, "10.0.0.2")

@@ -7,20 +7,20 @@ import os
 
 import pytest
 
-from taps_ray import ray_utils
+from taps_ray.runtime import cluster
 
 STARVED = "Cluster resources are not enough to run any task from MapBatches. The job may hang forever"
 
 
 @pytest.fixture
 def ray_log(tmp_path):
-    path = ray_utils.route_ray_logs(ray_utils.ray_log_path(tmp_path / "runs" / "x"))
+    path = cluster.route_ray_logs(cluster.ray_log_path(tmp_path / "runs" / "x"))
     yield path
-    ray_utils.stop_routing_ray_logs()
+    cluster.stop_routing_ray_logs()
 
 
 def test_ray_log_path_is_under_the_run_folder(tmp_path):
-    assert ray_utils.ray_log_path(tmp_path / "runs" / "demo") == tmp_path / "runs" / "demo" / "logs" / "ray.log"
+    assert cluster.ray_log_path(tmp_path / "runs" / "demo") == tmp_path / "runs" / "demo" / "logs" / "ray.log"
 
 
 def test_a_ray_warning_lands_in_the_file_not_on_stderr(capsys, ray_log, monkeypatch):
@@ -35,9 +35,9 @@ def test_a_ray_warning_lands_in_the_file_not_on_stderr(capsys, ray_log, monkeypa
     for name in ("ray.data", "ray.tune", "ray.train"):  # Train v2 runs raise "ray.train" to ERROR, for one
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
         monkeypatch.setattr(logging.getLogger(name), "disabled", False)
-    ray_utils.route_ray_logs(ray_log)
+    cluster.route_ray_logs(ray_log)
 
-    assert ray_utils.route_ray_logs(ray_log) == ray_log and ray_utils.ray_log() == ray_log and ray_log.is_file()
+    assert cluster.route_ray_logs(ray_log) == ray_log and cluster.ray_log() == ray_log and ray_log.is_file()
     for name in ("ray.data._internal.execution.resource_manager", "ray.tune", "ray.train.v2", "ray"):
         logging.getLogger(name).warning("%s (%s)", STARVED, name)
     logging.getLogger("py.warnings").warning("a deprecation note from a library")  # where warnings.warn goes
@@ -75,10 +75,10 @@ def test_a_library_logger_that_does_not_propagate_is_routed_too(ray_log, monkeyp
     monkeypatch.setattr(detached, "disabled", False)
     monkeypatch.setattr(detached, "propagate", False)
     monkeypatch.setattr(detached, "handlers", [logging.StreamHandler()])
-    ray_utils.route_ray_logs(ray_log.parent / "other.log")
+    cluster.route_ray_logs(ray_log.parent / "other.log")
     detached.warning("detached warning")
     assert "detached warning" in (ray_log.parent / "other.log").read_text()
-    assert not [h for h in detached.handlers if ray_utils._is_console(h)]
+    assert not [h for h in detached.handlers if cluster._is_console(h)]
 
 
 def test_stopping_restores_the_console(tmp_path, monkeypatch):
@@ -89,15 +89,15 @@ def test_stopping_restores_the_console(tmp_path, monkeypatch):
 
     ray_print = ray_worker.print_worker_logs
     console = [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)]
-    path = ray_utils.route_ray_logs(tmp_path / "a" / "ray.log")
-    assert ray_utils.route_ray_logs(tmp_path / "a" / "ray.log") == path  # idempotent
-    assert not [h for h in logging.getLogger("ray").handlers if ray_utils._is_console(h)]
+    path = cluster.route_ray_logs(tmp_path / "a" / "ray.log")
+    assert cluster.route_ray_logs(tmp_path / "a" / "ray.log") == path  # idempotent
+    assert not [h for h in logging.getLogger("ray").handlers if cluster._is_console(h)]
     assert any(getattr(h, "baseFilename", None) == str(path) for h in logging.getLogger("ray").handlers)
-    moved = ray_utils.route_ray_logs(tmp_path / "b" / "ray.log")
+    moved = cluster.route_ray_logs(tmp_path / "b" / "ray.log")
     logging.getLogger("ray.tune").warning("after the move")
     assert "after the move" in moved.read_text() and "after the move" not in path.read_text()
-    ray_utils.stop_routing_ray_logs()
-    assert ray_utils.ray_log() is None and ray_worker.print_worker_logs is ray_print
+    cluster.stop_routing_ray_logs()
+    assert cluster.ray_log() is None and ray_worker.print_worker_logs is ray_print
     assert [h for h in logging.getLogger("ray").handlers if isinstance(h, logging.StreamHandler)] == console
     assert logging.getLogger("ray").propagate is False and logging.getLogger("ray.tune").propagate is True
     import io
@@ -115,13 +115,13 @@ def test_stopping_restores_the_console(tmp_path, monkeypatch):
 def test_native_log_lines_on_stderr_go_to_the_file(capfd, tmp_path):
     native = (b"[2026-11-30 14:17:08,465 E 4553 4553] core_worker.cc:2465: Actor with class name: 'MapWorker' "
               b"has constructor arguments in the object store and max_restarts > 0.\n")
-    path = ray_utils.route_ray_logs(tmp_path / "ray.log")
+    path = cluster.route_ray_logs(tmp_path / "ray.log")
     try:
         os.write(2, native)  # what Ray's C++ core worker does in this process
         os.write(2, b"12:00:01 INFO taps_ray.data.sources: dataset 'math': using alternative 0\n")
         os.write(2, b"progress 50%\r")  # a partial line is passed on as it comes
     finally:
-        ray_utils.stop_routing_ray_logs()
+        cluster.stop_routing_ray_logs()
     out, err = capfd.readouterr()
     assert err == "12:00:01 INFO taps_ray.data.sources: dataset 'math': using alternative 0\nprogress 50%\r"
     assert "core_worker.cc:2465: Actor with class name: 'MapWorker'" in path.read_text()
@@ -144,17 +144,17 @@ def test_init_ray_starts_its_own_cluster_unless_told_to_join_one(monkeypatch, gi
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
-    ray_utils.init_ray(given)
+    cluster.init_ray(given)
     assert len(calls) == 1 and calls[0]["address"] == expected
     assert ("num_cpus" in calls[0]) == (expected == "local")
 
 
 def test_set_ray_env_leaves_the_auth_mode_to_ray(monkeypatch):
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    ray_utils.set_ray_env()
-    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_MODE" not in ray_utils.RAY_ENV
+    cluster.set_ray_env()
+    assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_MODE" not in cluster.RAY_ENV
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an operator's explicit choice still wins
-    ray_utils.set_ray_env()
+    cluster.set_ray_env()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"
 
 
@@ -168,7 +168,7 @@ def test_a_local_cluster_taps_starts_keeps_rays_token_authentication(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env["HOME"] = str(tmp_path)
-    code = ("import os\nfrom taps_ray.ray_utils import init_ray\nray = init_ray(num_cpus=1)\n"
+    code = ("import os\nfrom taps_ray.runtime.cluster import init_ray\nray = init_ray(num_cpus=1)\n"
             "print('worker-auth', ray.get(ray.remote(lambda: os.environ.get('RAY_AUTH_MODE')).remote()))\n"
             "ray.shutdown()\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)

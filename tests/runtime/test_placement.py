@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from taps_ray.train.placement import RECORD, PlacementGroupReaper, remove_recorded
+from taps_ray.runtime.placement import RECORD, PlacementGroupReaper, remove_recorded
 
 
 @ray.remote(num_cpus=0)

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from taps_ray import ray_compat
+from taps_ray.runtime import ray_compat
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def _route_loggers() -> None:
 
 
 def _route_worker_output() -> None:
-    """Replace Ray's printer of worker output (:func:`taps_ray.ray_compat.worker_log_printer`, used for
+    """Replace Ray's printer of worker output (:func:`taps_ray.runtime.ray_compat.worker_log_printer`, used for
     the workers' stdout/stderr and the raylet's error notes) with :func:`_print_worker_logs`."""
     global _ray_print_worker_logs
     current = ray_compat.worker_log_printer()
