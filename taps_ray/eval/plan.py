@@ -25,7 +25,7 @@ from taps_ray.drafter_sources import (
     resolve_drafter_dir,
 )
 from taps_ray.models.drafter import WEIGHTS_NAME
-from taps_ray.spec.strategy import parse_strategy
+from taps_ray.spec.strategy import StrategyError, parse_strategy
 
 log = logging.getLogger(__name__)
 
@@ -139,18 +139,15 @@ def expand_strategies(names: Iterable[str], drafters: list[str], compose: list[s
             spec = parse_strategy(name)
         except ValueError as err:
             raise EvalError(str(err)) from None
+        try:
+            spec.bind(drafters if spec.kind == "single" else compose)
+        except StrategyError as err:
+            raise EvalError(f"{err} (eval.drafters / eval.compose)") from None
         if spec.kind == "single" and spec.drafter is None:
             concrete = [f"single:{n}" for n in drafters]
-        elif spec.kind == "single" and spec.drafter not in drafters:
-            raise EvalError(f"strategy {name!r}: no drafter named {spec.drafter!r}; drafters: {drafters}")
         elif spec.kind == "averaged" and spec.alpha is None and len(compose) == 2:
             concrete = ["averaged:0.5"]
         else:
-            if spec.kind == "averaged" and spec.alpha is not None and len(compose) != 2:
-                raise EvalError(f"strategy {spec.name!r} interpolates two drafters; compose has {compose}")
-            if spec.kind != "vanilla" and len(compose) < spec.min_drafters:
-                raise EvalError(f"strategy {spec.name!r} needs at least {spec.min_drafters} drafters; "
-                                f"eval.drafters/compose give {compose}")
             concrete = [spec.name]
         out += [c for c in concrete if c not in out]
     return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from taps_ray.config import ServeConfig
 from taps_ray.serving.protocol import RequestError
-from taps_ray.spec.strategy import StrategySpec, parse_strategy
+from taps_ray.spec.strategy import StrategyError, StrategySpec, parse_strategy
 
 VERIFIER_DEPLOYMENT = "Verifier"
 
@@ -62,7 +62,7 @@ def resolve_plan(strategy: str | None, drafters: list[str] | None, cfg: ServeCon
         chosen = [spec.drafter] if spec.drafter else list(drafters or defaults[:1])
         if len(chosen) != 1:
             raise RequestError(f"strategy 'single' takes one drafter, got {chosen}", "taps.drafters")
-        return Plan(spec, tuple(chosen))
+        return Plan(spec, _bind(spec, chosen))
     if spec.kind == "averaged":
         alpha = 0.5 if spec.alpha is None else spec.alpha
         served = [n for n, d in cfg.drafters.items() if d.average_of and abs(d.alpha - alpha) < 1e-6
@@ -75,11 +75,15 @@ def resolve_plan(strategy: str | None, drafters: list[str] | None, cfg: ServeCon
                                f"{have or 'none'} (configure one with serve.drafters.NAME.average_of and alpha)",
                                "taps.strategy", code="strategy_not_found")
         return Plan(spec, (served[0],))
-    chosen = list(drafters or defaults)
-    if len(chosen) < spec.min_drafters or len(set(chosen)) != len(chosen):
-        raise RequestError(f"strategy {spec.name!r} composes {spec.min_drafters} or more distinct drafters, "
-                           f"got {chosen}", "taps.drafters")
-    return Plan(spec, tuple(chosen))
+    return Plan(spec, _bind(spec, list(drafters or defaults)))
+
+
+def _bind(spec: StrategySpec, chosen: list[str]) -> tuple[str, ...]:
+    """:meth:`StrategySpec.bind` of the request's drafters, its error a 400 naming the request field."""
+    try:
+        return spec.bind(chosen)
+    except StrategyError as err:
+        raise RequestError(str(err), f"taps.{err.field}") from None
 
 
 @dataclass

@@ -318,8 +318,9 @@ def build_strategy(
     name -> drafter mapping, in routing / merge order; ``single:NAME`` picks one by name, ``single``
     the first. A drafting strategy carries a fresh :class:`~taps_ray.spec.cost.TreeBudget` as ``tree_budget``
     (each step's tree sized by the cost model) unless ``tree_cfg.adaptive`` is off. ``weights`` [K] override the uniform average of ``averaged``; ``probe_steps`` and
-    ``recheck_every`` set ``request`` routing. ValueError for too few drafters, drafters of different
-    targets, alpha or weights out of range, or an unknown drafter name.
+    ``recheck_every`` set ``request`` routing. :class:`~taps_ray.spec.strategy.StrategyError` (a ValueError)
+    for drafters that do not fit the strategy (:meth:`~taps_ray.spec.strategy.StrategySpec.bind`), ValueError
+    for drafters of different targets or alpha or weights out of range.
     """
     spec = parse_strategy(spec)
     if isinstance(drafters, Mapping):
@@ -331,15 +332,11 @@ def build_strategy(
         raise ValueError(f"need one distinct name per drafter, got {names} for {len(heads)} drafters")
     if spec.kind == "vanilla":
         return VanillaStrategy()
-    if len(heads) < spec.min_drafters:
-        need = "a drafter" if spec.min_drafters == 1 else f"at least {spec.min_drafters} drafters"
-        raise ValueError(f"strategy {spec.name!r} needs {need}, got {len(heads)}")
+    bound = spec.bind(names)
     check_drafters(heads, names)
     if spec.kind == "single":
-        index = 0 if spec.drafter is None else names.index(spec.drafter) if spec.drafter in names else None
-        if index is None:
-            raise ValueError(f"strategy {spec.name!r}: no drafter named {spec.drafter!r}; drafters: {names}")
-        strategy: SingleStrategy | RoutedStrategy | MergedStrategy = SingleStrategy(heads[index], tree_cfg)
+        strategy: SingleStrategy | RoutedStrategy | MergedStrategy = SingleStrategy(heads[names.index(bound[0])],
+                                                                                    tree_cfg)
     elif spec.kind == "averaged":
         strategy = SingleStrategy(average_drafters(heads, averaging_weights(spec, len(heads), weights)), tree_cfg)
     elif spec.kind == "routed":

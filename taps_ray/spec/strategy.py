@@ -1,10 +1,14 @@
-"""Strategy names (torch-free, so an HTTP front end can validate them without loading torch).
+"""Strategy names, and which drafters a strategy drafts with (torch-free, so an HTTP front end can validate
+them without loading torch).
 
-See :mod:`taps_ray.spec.compose` for what each strategy does.
+See :mod:`taps_ray.spec.compose` for what each strategy does. :meth:`StrategySpec.bind` is the one check of a
+strategy against the drafters it may use, for every caller (in-process strategies, the evaluation plan, a
+served request); each turns its :class:`StrategyError` into its own error at its boundary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SIGNALS = ("confidence", "entropy")
@@ -20,6 +24,15 @@ STRATEGY_NAMES = (
     "merged:union",
     "merged:budget",
 )
+class StrategyError(ValueError):
+    """A strategy that does not fit the drafters given to it; ``field``: what to change, ``strategy`` (it names
+    a drafter that is not there) or ``drafters``."""
+
+    def __init__(self, message: str, field: str = "drafters"):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     """A parsed strategy name; :attr:`name` is its canonical spelling (granularity always explicit)."""
@@ -46,6 +59,33 @@ class StrategySpec:
     @property
     def min_drafters(self) -> int:
         return {"vanilla": 0, "single": 1}.get(self.kind, 2)
+
+    def bind(self, drafters: Sequence[str]) -> tuple[str, ...]:
+        """The drafters this strategy drafts with, out of ``drafters`` (distinct names, in routing / merge
+        order): none for ``vanilla``; for ``single`` the one it names, else the first; all of them otherwise
+        (``averaged:ALPHA`` interpolates exactly two; ``averaged`` averages them uniformly; ``routed`` and
+        ``merged`` compose two or more). :class:`StrategyError` when they do not fit."""
+        names = list(drafters)
+        if self.kind == "vanilla":
+            return ()
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise StrategyError(f"strategy {self.name!r} takes distinct drafters; {names} repeats {repeated}")
+        if self.kind == "single":
+            if self.drafter is not None and self.drafter not in names:
+                raise StrategyError(f"strategy {self.name!r}: no drafter named {self.drafter!r}; drafters: {names}",
+                                    field="strategy")
+            if not names:
+                raise StrategyError(f"strategy {self.name!r} needs a drafter, got 0")
+            return (self.drafter or names[0],)
+        need = self.min_drafters
+        if len(names) < need:
+            raise StrategyError(f"strategy {self.name!r} needs at least {need} drafters, got {len(names)}: it "
+                                f"composes {need} or more distinct drafters ({names})")
+        if self.kind == "averaged" and self.alpha is not None and len(names) != 2:
+            raise StrategyError(f"strategy {self.name!r} interpolates two drafters, got {len(names)} ({names}); "
+                                "use 'averaged' (uniform) or give two drafters")
+        return tuple(names)
 
 
 def _unknown(name: str, why: str = "") -> ValueError:
