@@ -324,16 +324,7 @@ class DraftHead(nn.Module):
         another target or its ``draft_to_target`` is not a one-to-one map into the target vocabulary.
         ``DraftHead.load`` returns the architecture the checkpoint names (:func:`head_class`); a subclass's
         ``load`` refuses a checkpoint of another architecture."""
-        try:
-            directory = resolve_drafter_dir(directory)
-        except ReleaseDrafterError as err:
-            raise DrafterLoadError(str(err)) from None
-        if not directory.is_dir():
-            raise DrafterLoadError(f"drafter directory {str(directory)!r} does not exist")
-        try:
-            meta = json.loads((directory / CONFIG_NAME).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {CONFIG_NAME}: {err}") from err
+        directory, meta = _checkpoint_meta(directory)
         if meta.get("architecture") not in ARCHITECTURES:
             from taps_ray.models.eagle_format import is_eagle_config, load_eagle
 
@@ -350,23 +341,9 @@ class DraftHead(nn.Module):
         problem = fingerprint.mismatch(meta.get("target", {}))
         if problem:
             raise DrafterLoadError(f"drafter {str(directory)!r} was trained for another target: {problem}")
-        try:
-            tensors = load_file(str(directory / WEIGHTS_NAME))
-        except Exception as err:  # safetensors raises several types for truncated/corrupt files
-            raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {WEIGHTS_NAME}: {err}") from err
-        try:
-            tensors = dequantize(tensors, meta.get("weight_storage", PLAIN))
-        except WeightStorageError as err:
-            raise DrafterLoadError(f"drafter {str(directory)!r}: {err}") from None
-        d2t = tensors.pop("draft_to_target", None)
+        tensors, d2t = _checkpoint_weights(directory, meta, fingerprint)
         keep = {"architecture", "drafter", "draft_vocab_size", "target", "seed", "weight_storage",
                 *found.architecture_fields}
-        if d2t is not None:
-            try:
-                d2t = check_draft_vocabulary(d2t, fingerprint.vocab_size)
-            except ValueError as err:
-                raise DrafterLoadError(f"drafter {str(directory)!r}: bad draft vocabulary in {WEIGHTS_NAME}: "
-                                       f"{err}") from None
         try:
             head = found.from_meta(target_config, meta, d2t, {k: v for k, v in meta.items() if k not in keep})
         except ValueError as err:
@@ -379,6 +356,44 @@ class DraftHead(nn.Module):
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
             )
         return head.to(device=device, dtype=dtype).eval()
+
+
+def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict]:
+    """The checkpoint folder ``directory`` names (a folder or ``release:NAME``) and its parsed
+    :data:`CONFIG_NAME`; :class:`DrafterLoadError` when either is missing or unreadable."""
+    try:
+        folder = resolve_drafter_dir(directory)
+    except ReleaseDrafterError as err:
+        raise DrafterLoadError(str(err)) from None
+    if not folder.is_dir():
+        raise DrafterLoadError(f"drafter directory {str(folder)!r} does not exist")
+    try:
+        meta = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DrafterLoadError(f"drafter {str(folder)!r}: unreadable {CONFIG_NAME}: {err}") from err
+    return folder, meta
+
+
+def _checkpoint_weights(directory: Path, meta: dict,
+                        fingerprint: TargetFingerprint) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The checkpoint's dequantized tensors without ``draft_to_target``, and that map checked against the
+    target vocabulary (None when absent); :class:`DrafterLoadError` when unreadable or invalid."""
+    try:
+        tensors = load_file(str(directory / WEIGHTS_NAME))
+    except Exception as err:  # safetensors raises several types for truncated/corrupt files
+        raise DrafterLoadError(f"drafter {str(directory)!r}: unreadable {WEIGHTS_NAME}: {err}") from err
+    try:
+        tensors = dequantize(tensors, meta.get("weight_storage", PLAIN))
+    except WeightStorageError as err:
+        raise DrafterLoadError(f"drafter {str(directory)!r}: {err}") from None
+    d2t = tensors.pop("draft_to_target", None)
+    if d2t is not None:
+        try:
+            d2t = check_draft_vocabulary(d2t, fingerprint.vocab_size)
+        except ValueError as err:
+            raise DrafterLoadError(f"drafter {str(directory)!r}: bad draft vocabulary in {WEIGHTS_NAME}: "
+                                   f"{err}") from None
+    return tensors, d2t
 
 
 def head_class(architecture: str) -> type[DraftHead]:
