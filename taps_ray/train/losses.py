@@ -237,6 +237,28 @@ def _masked_mean(values: torch.Tensor, weight: torch.Tensor, count: int) -> torc
     return (values * weight).sum() / max(count, 1)
 
 
+def _pass_loss(cfg: ObjectiveConfig, pred: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor,
+               target: TargetDistribution, weight: torch.Tensor,
+               count: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One pass's terms (``feature``, ``ce``, ``topk`` as ``cfg.algorithm`` uses them), each a mean over the
+    scored rows weighted by ``weight`` [N] (``count`` its sum), and the pass's weighted loss. ``pred`` and
+    ``targets`` [N, H] are the predicted and target features, ``logits`` [N, V] the prediction's."""
+    ce, topk = distillation_terms(logits, target)
+    if cfg.algorithm == "eagle3":
+        terms = {"ce": _masked_mean(ce, weight, count)}
+        loss = terms["ce"]
+    else:
+        terms = {
+            "feature": _masked_mean(smooth_l1(pred, targets), weight, count),
+            "ce": _masked_mean(ce, weight, count),
+        }
+        loss = cfg.feature_weight * terms["feature"] + cfg.ce_weight * terms["ce"]
+    if cfg.algorithm == "hass":
+        terms["topk"] = _masked_mean(topk, weight, count)
+        loss = loss + cfg.topk_weight * terms["topk"]
+    return terms, loss
+
+
 def drafter_loss(
     drafter: nn.Module,
     batch: dict,
@@ -279,19 +301,7 @@ def drafter_loss(
         count = int(weight.sum())
         pred = out[scored]
         logits = module.logits(pred, head)
-        ce, topk = distillation_terms(logits, target)
-        if eagle3:
-            terms = {"ce": _masked_mean(ce, weight, count)}
-            loss = terms["ce"]
-        else:
-            terms = {
-                "feature": _masked_mean(smooth_l1(pred, targets), weight, count),
-                "ce": _masked_mean(ce, weight, count),
-            }
-            loss = cfg.feature_weight * terms["feature"] + cfg.ce_weight * terms["ce"]
-        if use_topk:
-            terms["topk"] = _masked_mean(topk, weight, count)
-            loss = loss + cfg.topk_weight * terms["topk"]
+        terms, loss = _pass_loss(cfg, pred, targets, logits, target, weight, count)
         pass_losses.append(loss)
         with torch.no_grad():
             hits = (logits.argmax(-1) == target_top1).float()
