@@ -251,6 +251,13 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
     print(f"taps train: {len(plans)} variant(s) concurrently -> {run_dir} "
           f"({'GPU' if gpus else f'{cpus:g} CPU / {threads} thread(s)'} per worker)", flush=True)
 
+    results = _fit_concurrently(plans, trainers, run_dir)
+    return _summarize(run_dir, [results[p.variant.name] for p in plans], time.time() - started)
+
+
+def _fit_concurrently(plans: list[VariantPlan], trainers: dict, run_dir: Path) -> dict[str, VariantResult]:
+    """Each plan's :func:`_fit` on its trainer (``trainers``: by variant name), one thread per plan; the results by
+    variant name. Ctrl-C exits with status 130, keeping the checkpoints for ``--resume``."""
     results: dict[str, VariantResult] = {}
     threads = [threading.Thread(target=lambda p=p: results.__setitem__(
                    p.variant.name, _fit(p, trainers[p.variant.name], run_dir)), daemon=True)
@@ -265,7 +272,7 @@ def _train(cfg: ExperimentConfig, variants: list[VariantConfig], run_dir: Path, 
         print(f"taps train: interrupted; checkpoints are kept in {run_dir / 'ray'}, continue with --resume",
               file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    return _summarize(run_dir, [results[p.variant.name] for p in plans], time.time() - started)
+    return results
 
 
 def _fit(plan: VariantPlan, trainer, run_dir: Path) -> VariantResult:
