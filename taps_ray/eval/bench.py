@@ -339,24 +339,36 @@ def run_bench(
     if sweep_total or sweep_depth or sweep_lookup:
         sweep = run_sweep(target, prompts, drafter, tree, max_new_tokens, sweep_total or [tree.total_tokens],
                           sweep_depth or [tree.depth], sweep_lookup or [tree.lookup_tokens])
+    info = _bench_info(target, tree, len(prompts), max_new_tokens, sampling, cost, runs["vanilla"], load_before,
+                       settings)
+    outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}
+    ours_only = {name: tokens for name, tokens in outputs.items() if name not in (peers or [])}
+    exactness = account(target, reference, prompts, ours_only) if greedy else None
+    return BenchReport(info, rows, sweep, outputs, exactness)
+
+
+def _bench_info(target: TargetModel, tree: TreeConfig, prompts: int, max_new_tokens: int,
+                sampling: SamplingConfig | None, cost: CostModel, vanilla: list[Run], load_before: float,
+                settings: dict | None) -> dict:
+    """The report's header: the sampling, target, machine and its load average before (``load_before``) and
+    now, ``settings``, the cost model, the engine, and ``vanilla``'s (runs) ms per token against the
+    target's weight-read floor."""
+    greedy = sampling is None or sampling.temperature == 0
     sampling_note = ("greedy" if greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p} "
                      f"top_k={sampling.top_k} seed={sampling.seed}")
     info = {
         "sampling": sampling_note, "target": target.name, "device": str(target.device), "dtype": target.precision,
-        "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "threads": torch.get_num_threads(), "prompts": prompts, "max_new_tokens": max_new_tokens,
         "tree": tree_note(tree),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_before": load_before, "load_after": round(os.getloadavg()[0], 2), **(settings or {}),
     }
     floor = weight_read_floor(target)
-    plain_ms = 1e3 * sum(r.seconds for r in runs["vanilla"]) / max(1, sum(r.steps + 1 for r in runs["vanilla"]))
+    plain_ms = 1e3 * sum(r.seconds for r in vanilla) / max(1, sum(r.steps + 1 for r in vanilla))
     info.update(cost_model=cost.describe(), engine=engine_label(target.engine) if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
                 weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
                 vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
-    outputs = {name: [r.tokens for r in method_runs] for name, method_runs in runs.items()}
-    ours_only = {name: tokens for name, tokens in outputs.items() if name not in (peers or [])}
-    exactness = account(target, reference, prompts, ours_only) if greedy else None
-    return BenchReport(info, rows, sweep, outputs, exactness)
+    return info
 
 
 def run_sweep(
