@@ -158,23 +158,7 @@ def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_
         tuner = tune.Tuner.restore(str(out / TUNE_DIR), trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, restart_errored=False)
     else:
-        scheduler = None
-        if isinstance(spec, MixtureSweepSpec) and spec.scheduler.kind == "asha":
-            from ray.tune.schedulers import ASHAScheduler
-
-            scheduler = ASHAScheduler(time_attr="epoch", metric="sim_objective", mode="max",
-                                      max_t=spec.max_epochs(), grace_period=spec.scheduler.grace_period,
-                                      reduction_factor=spec.scheduler.reduction_factor)
-        tuner = tune.Tuner(
-            trainable,
-            param_space=spec.param_space(),
-            tune_config=tune.TuneConfig(num_samples=num_samples or spec.num_samples, scheduler=scheduler,
-                                        max_concurrent_trials=resources.max_concurrent,
-                                        reuse_actors=isinstance(spec, InterpolationSweepSpec),
-                                        trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname),
-            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0, callbacks=run_callbacks,
-                                      failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
-        )
+        tuner = _new_tuner(spec, trainable, out, num_samples, resources, run_callbacks)
     grid = tuner.fit()
     reaped = remove_recorded(out / "trials")
     if reaped:
@@ -187,6 +171,31 @@ def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_
     summary.best = best_row(summary.rows)
     write_outputs(summary, spec)
     return summary
+
+
+def _new_tuner(spec: SweepSpec, trainable, out: Path, num_samples: int | None, resources: TrialResources,
+               callbacks: list):
+    """A fresh ``tune.Tuner`` of ``spec`` storing into ``out / TUNE_DIR``: ``num_samples`` (None: the spec's)
+    samples, ``resources.max_concurrent`` trials at once, ASHA early stopping when a mixture sweep asks for it."""
+    from ray import tune
+
+    scheduler = None
+    if isinstance(spec, MixtureSweepSpec) and spec.scheduler.kind == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(time_attr="epoch", metric="sim_objective", mode="max",
+                                  max_t=spec.max_epochs(), grace_period=spec.scheduler.grace_period,
+                                  reduction_factor=spec.scheduler.reduction_factor)
+    return tune.Tuner(
+        trainable,
+        param_space=spec.param_space(),
+        tune_config=tune.TuneConfig(num_samples=num_samples or spec.num_samples, scheduler=scheduler,
+                                    max_concurrent_trials=resources.max_concurrent,
+                                    reuse_actors=isinstance(spec, InterpolationSweepSpec),
+                                    trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname),
+        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0, callbacks=callbacks,
+                                  failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
+    )
 
 
 def _describe_search(spec: SweepSpec) -> str:
