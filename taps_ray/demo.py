@@ -15,6 +15,7 @@ time and the report's path.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from taps_ray.config import ExperimentConfig, load_config
 from taps_ray.eval.claims import claim_line
 from taps_ray.eval.records import RECORDS, read_records
 from taps_ray.eval.report import build_tables, section_text, speed_section, tau_section, write_report
+from taps_ray.eval.tables import Records
 from taps_ray.runstate import write_json
 
 SWEEP_SPEC = Path(__file__).resolve().parents[1] / "tune" / "interpolation.yaml"
@@ -82,15 +84,52 @@ def release_sections(tables: dict, data) -> str:
     return "\n\n".join(section_text(section, tables, data, level=4) for section in RELEASE_SECTIONS)
 
 
+def interpolation_sweep(cfg: ExperimentConfig, full: bool, target) -> Path:
+    """:data:`SWEEP_SPEC` (its ``demo`` profile unless ``full``) over the demo's ``math`` and ``chat`` drafters into
+    ``<run_dir>/sweeps/<name>``, resuming an interrupted one and keeping a finished one; returns that folder."""
+    from taps_ray.sweeps.config import load_spec
+    from taps_ray.sweeps.results import report as sweep_report
+    from taps_ray.sweeps.run import run_sweep
+
+    spec = load_spec(SWEEP_SPEC, None if full else "demo",
+                     [f"drafters.{role}={cfg.eval.drafters[role]}" for role in ("math", "chat")])
+    sweep_out = cfg.run_dir / "sweeps" / spec.name
+    done = (sweep_out / "results.csv").is_file()
+    if done:
+        print(f"taps demo: {sweep_out} holds a finished sweep; kept", flush=True)
+    else:
+        summary = run_sweep(spec, cfg, sweep_out, resume=(sweep_out / "tune").is_dir(), target=target)
+        print(sweep_report(summary), flush=True)
+    return sweep_out
+
+
+def append_release_report(report: Path, drafters: Iterable[str], release_report: Path,
+                          shipped: tuple[dict, Records]) -> None:
+    """Append to ``report`` a section on the release ``drafters``: a link to ``release_report`` and their
+    :data:`RELEASE_SECTIONS` from ``shipped`` (its tables and data)."""
+    names = ", ".join(drafters)
+    report.write_text(report.read_text() + f"\n## Release drafters ({names}; shipped with the "
+                      f"package)\n\nFrom [{release_report.parent.name}/report.md]({release_report}).\n\n"
+                      + release_sections(*shipped) + "\n")
+
+
+def print_results(tables: dict, data: Records, shipped: tuple[dict, Records] | None) -> None:
+    """Print the tau table, the release drafters' sections when ``shipped`` (their tables and data), and the
+    paper's claims at each temperature."""
+    print("\n" + section_text(tau_section, tables, data))
+    if shipped is not None:
+        print("\nRelease drafters:\n" + "\n\n".join(section_text(s, *shipped) for s in RELEASE_SECTIONS))
+    print("\nClaims of the TAPS paper (holds / does not hold / inconclusive from the 95% bootstrap interval of each "
+          "claim's margin; how each is checked: docs/DESIGN.md, \"Claims the report checks\"):\n"
+          + "\n".join(f"[T={c['temperature']:g}] " + claim_line(c, bold=False) for c in tables["claims"]))
+
+
 def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = False,
              sweep: bool = True) -> Path:
     """Run every stage (see module docstring); returns the report's path."""
     from taps_ray.data.features import prepare_features, summary_table
     from taps_ray.eval.runner import run_eval
     from taps_ray.models.target import TargetModel
-    from taps_ray.sweeps.config import load_spec
-    from taps_ray.sweeps.results import report as sweep_report
-    from taps_ray.sweeps.run import run_sweep
     from taps_ray.train.launch import run_training
     from taps_ray.train.launch import summary_table as train_table
 
@@ -130,16 +169,7 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     sweeps = []
     if sweep:
         started = stage("interpolation sweep (tau vs alpha)")
-        spec = load_spec(SWEEP_SPEC, None if full else "demo",
-                         [f"drafters.{role}={cfg.eval.drafters[role]}" for role in ("math", "chat")])
-        sweep_out = cfg.run_dir / "sweeps" / spec.name
-        done = (sweep_out / "results.csv").is_file()
-        if done:
-            print(f"taps demo: {sweep_out} holds a finished sweep; kept", flush=True)
-        else:
-            summary = run_sweep(spec, cfg, sweep_out, resume=(sweep_out / "tune").is_dir(), target=target)
-            print(sweep_report(summary), flush=True)
-        sweeps.append(sweep_out)
+        sweeps.append(interpolation_sweep(cfg, full, target))
         times.stages["sweep"] = time.perf_counter() - started
 
     started = stage("report")
@@ -147,17 +177,9 @@ def run_demo(path: str | Path, overrides: list[str] | None = None, full: bool = 
     tables, data = build_tables(read_records(out / RECORDS))
     shipped = build_tables(read_records(release_report.parent / RECORDS)) if release_report is not None else None
     if shipped is not None:
-        names = ", ".join(release.eval.drafters.values())
-        report.write_text(report.read_text() + f"\n## Release drafters ({names}; shipped with the "
-                          f"package)\n\nFrom [{release_report.parent.name}/report.md]({release_report}).\n\n"
-                          + release_sections(*shipped) + "\n")
+        append_release_report(report, release.eval.drafters.values(), release_report, shipped)
     times.stages["report"] = time.perf_counter() - started
-    print("\n" + section_text(tau_section, tables, data))
-    if shipped is not None:
-        print("\nRelease drafters:\n" + "\n\n".join(section_text(s, *shipped) for s in RELEASE_SECTIONS))
-    print("\nClaims of the TAPS paper (holds / does not hold / inconclusive from the 95% bootstrap interval of each "
-          "claim's margin; how each is checked: docs/DESIGN.md, \"Claims the report checks\"):\n"
-          + "\n".join(f"[T={c['temperature']:g}] " + claim_line(c, bold=False) for c in tables["claims"]))
+    print_results(tables, data, shipped)
     print("\n" + times.table())
     write_json(out / "demo_times.json", times.stages)
     print(f"\nreport: {report}", flush=True)
