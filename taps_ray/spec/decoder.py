@@ -6,6 +6,10 @@ comparable. Drafter alignment (EAGLE): the drafter consumes pairs ``(token_{i+1}
 ``f_i`` is the target's feature at position i; after a step that accepted nodes
 ``root, a_1 .. a_k`` and sampled the bonus ``b``, the new pairs are ``(a_1, f_root), ..,
 (b, f_{a_k})``.
+
+The loop of :func:`generate`: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target
+verification (a :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish
+reason, then :func:`_result`.
 """
 
 from __future__ import annotations
@@ -206,23 +210,12 @@ class _Request:
 
 @torch.inference_mode()
 def generate(
-    target: TargetModel,
-    prompt,
-    strategy: Strategy | None = None,
-    sampling: SamplingConfig | dict | None = None,
-    max_new_tokens: int = 128,
-    eos_token_ids: set[int] | frozenset[int] | None = None,
-    collect_entropy: bool = True,
-    timer: Callable[[], float] = time.perf_counter,
-    logprobs: int | None = None,
-    on_logprobs: Callable[[TokenLogprobs], None] | None = None,
-    feature_sink: list[torch.Tensor] | None = None,
-    budget: TreeBudget | None = None,
-    stop: Sequence[str] | None = None,
-    observer: StepObserver | None = None,
-    cancel: Cancel | None = None,
-    deadline: float | None = None,
-    node_limit: Callable[[], int] | None = None,
+    target: TargetModel, prompt, strategy: Strategy | None = None, sampling: SamplingConfig | dict | None = None,
+    max_new_tokens: int = 128, eos_token_ids: set[int] | frozenset[int] | None = None, collect_entropy: bool = True,
+    timer: Callable[[], float] = time.perf_counter, logprobs: int | None = None,
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None, feature_sink: list[torch.Tensor] | None = None,
+    budget: TreeBudget | None = None, stop: Sequence[str] | None = None, observer: StepObserver | None = None,
+    cancel: Cancel | None = None, deadline: float | None = None, node_limit: Callable[[], int] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` (see :func:`prompt_ids`).
 
@@ -259,10 +252,6 @@ def generate(
     reason of its own. ``node_limit`` (None: none) gives, each step, the most nodes the tree to verify may
     have (a batch's load): a larger tree is cut to its best-scored nodes (:meth:`DraftTree.top`, counted in
     the step's ``shed``) and a limit of 1 decodes the step plainly without drafting (``load_plain``).
-
-    The loop: :func:`_setup`, :func:`_prefill`, then one :func:`_step` per target verification (a
-    :func:`_plain_step` or a :func:`_tree_step`, then :func:`_append`) until a finish reason, then
-    :func:`_result`.
     """
     request, ids = _setup(target, prompt, strategy, sampling, max_new_tokens, eos_token_ids, collect_entropy, timer)
     request.top, request.on_logprobs, request.feature_sink = check_top(logprobs), on_logprobs, feature_sink
@@ -272,17 +261,7 @@ def generate(
     if budget is not None and not isinstance(request.strategy, VanillaStrategy):
         request.budget = budget.bind(target)
         request.load = getattr(target, "batch_load", None)
-    start = timer()
-    try:
-        finish = _prefill(request, ids)
-        prefill_s = timer() - start
-        while finish is None:
-            finish = _interrupted(request) or _step(request)
-    finally:
-        if request.load is not None:
-            request.load.drop(id(request))
-    total_s = timer() - start
-    return _result(request, finish, prefill_s, total_s)
+    return _decode(request, ids)
 
 
 def greedy_steps(target: TargetModel, drafter: DraftHead, prompts, tree: TreeConfig,
@@ -309,6 +288,22 @@ def _setup(target: TargetModel, prompt, strategy: Strategy | None, sampling: Sam
     if sampling.temperature != 0 and sampling.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
     return _Request(target, strategy, sampling, max_new_tokens, eos, generator, collect_entropy, timer), ids
+
+
+def _decode(request: _Request, ids: torch.Tensor) -> GenerationResult:
+    """Prefill ``ids`` [P] and step until a finish reason, timed by the request's timer; the request leaves its
+    batch load however the loop ends."""
+    start = request.timer()
+    try:
+        finish = _prefill(request, ids)
+        prefill_s = request.timer() - start
+        while finish is None:
+            finish = _interrupted(request) or _step(request)
+    finally:
+        if request.load is not None:
+            request.load.drop(id(request))
+    total_s = request.timer() - start
+    return _result(request, finish, prefill_s, total_s)
 
 
 def _interrupted(request: _Request) -> str | None:
