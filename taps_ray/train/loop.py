@@ -54,6 +54,7 @@ from taps_ray.runtime import faults
 from taps_ray.train.batches import collate, epoch_batches, heldout_rows, steps_per_epoch
 from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
+from taps_ray.train.schedule import Stage, lr_at, plan_stages, stage_of
 from taps_ray.train.shards import ShardRows
 
 STATE_NAME = "train_state.pt"
@@ -65,43 +66,6 @@ def loss_parts(algorithm: str) -> list[str]:
     """The loss parts :func:`~taps_ray.train.losses.drafter_loss` reports for ``algorithm``: topk for hass
     only, no feature term for eagle3."""
     return [p for p in LOSS_PARTS if (p != "topk" or algorithm == "hass") and (p != "feature" or algorithm != "eagle3")]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A training stage: epochs ``[first_epoch, first_epoch + epochs)`` at peak ``lr``;
-    ``topk_weight`` overrides the objective's when not None."""
-
-    first_epoch: int
-    epochs: int
-    lr: float
-    topk_weight: float | None = None
-
-
-def plan_stages(train: TrainConfig, algorithm: str) -> list[Stage]:
-    """Stage 1 (``train.epochs`` at ``train.lr``) and, for HASS with ``stage2``, stage 2."""
-    stages = [Stage(0, train.epochs, train.lr)]
-    if algorithm == "hass" and train.stage2 is not None:
-        s2 = train.stage2
-        stages.append(Stage(train.epochs, s2.epochs, s2.lr, s2.topk_weight))
-    return stages
-
-
-def stage_of(stages: list[Stage], epoch: int) -> Stage:
-    return next(s for s in stages if s.first_epoch <= epoch < s.first_epoch + s.epochs)
-
-
-def lr_at(step: int, stage_steps: int, peak: float, warmup: int, schedule: str) -> float:
-    """Learning rate of the stage's ``step``-th update (0-based) out of ``stage_steps``: linear
-    warmup to ``peak`` over ``warmup`` updates, then cosine/linear decay towards 0 or constant."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if schedule == "constant":
-        return peak
-    progress = (step - warmup) / max(1, stage_steps - warmup)
-    if schedule == "cosine":
-        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return peak * (1.0 - progress)
 
 
 class MetricsLog:

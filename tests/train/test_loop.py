@@ -16,7 +16,8 @@ import torch
 from taps_ray.config import ConfigError, TrainConfig, load_config
 from taps_ray.runtime.faults import fail_at_step
 from taps_ray.train.batches import collate, epoch_batches, steps_per_epoch
-from taps_ray.train.loop import MetricsLog, lr_at, noise_seed, plan_stages, stage_of
+from taps_ray.train.loop import MetricsLog, noise_seed
+from taps_ray.train.schedule import lr_at, plan_stages, stage_of
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
 from tests.conftest import REPO
 
