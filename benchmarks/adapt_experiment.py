@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, [
         "name=adapt-experiment", f"output_dir={out}", "target.dtype=float32",
         f"serve.drafters={json.dumps(served)}", f"serve.capture={json.dumps(capture)}", "serve.show_acceptance=true",
-        "serve.port=8013", "serve.draft_deadline_s=30", "serve.request_timeout_s=900",
+        "serve.http.port=8013", "serve.routing.draft_deadline_s=30", "serve.limits.request_timeout_s=900",
         f"adapt.drafter={args.drafter}", "adapt.rounds=1", "adapt.poll_s=5",
         *args.overrides])
     started = time.time()

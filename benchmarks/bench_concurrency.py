@@ -7,7 +7,7 @@ with batched verification on and off, in one run.
         [--out runs/bench/concurrency.json] [--plot docs/img/concurrency.png]
 
 For each mode the Serve application of the config is deployed in-process (``unbatched``:
-``serve.batch_max_requests=1`` and ``serve.batch_max_tokens=0``, each request verified alone with
+``serve.batching.max_requests=1`` and ``serve.batching.max_tokens=0``, each request verified alone with
 its whole tree; ``batched``: the config's own batching), warmed up, and then, for each strategy and
 concurrency C, ``benchmarks/load_test.py`` sends ``max(4, C * requests-per-client)`` greedy streaming
 chat requests from C clients, cycling through the prompt set (``--prompts``: ``load-test``, the load
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, verify  # noqa: E402
 from load_test import run as run_load  # noqa: E402
 
-UNBATCHED = ["serve.batch_max_requests=1", "serve.batch_max_tokens=0"]
+UNBATCHED = ["serve.batching.max_requests=1", "serve.batching.max_tokens=0"]
 
 
 def prompt_texts(spec: str) -> list[str]:
@@ -142,7 +142,7 @@ def plot(points: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="experiment YAML, e.g. configs/demo.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.batch_max_tokens=32")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.batching.max_tokens=32")
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated client counts")
     parser.add_argument("--strategies", default="vanilla,single", help="comma-separated taps strategies")
     parser.add_argument("--modes", default="batched,unbatched", help="batched, unbatched or both")

@@ -25,8 +25,8 @@
    start, end, max and the least-squares slope over the whole load and its second half, MiB/min);
    once the load is over, the drafting sessions still open and the verifier's requests in flight
    (``left_behind``: all 0 when nothing is kept per request); with ``--kill-drafter-after T`` one
-   drafter replica is killed T seconds in. The serve limits in force (``serve.max_concurrent_requests``,
-   ``serve.max_queued_requests``: set them as overrides) are recorded.
+   drafter replica is killed T seconds in. The serve limits in force (``serve.admission.max_concurrent_requests``,
+   ``serve.admission.max_queued_requests``: set them as overrides) are recorded.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class InProcess:
         self.target = TargetModel.load(cfg.target)
         plan = resolve_plan(strategy, None, cfg.serve)
         heads = {name: build_drafter(self.target, drafter_user_config(cfg, name), name) for name in plan.drafters}
-        self.decoder = build_strategy(plan.spec, heads, cfg.tree, probe_steps=cfg.serve.route_probe_steps,
-                                      recheck_every=cfg.serve.route_recheck_every)
+        self.decoder = build_strategy(plan.spec, heads, cfg.tree, probe_steps=cfg.serve.routing.probe_steps,
+                                      recheck_every=cfg.serve.routing.recheck_every)
         self.run([PROMPTS[0]], 8)
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     http_single_stream(load, 1)
     result = {"config": args.config, "overrides": args.overrides, "strategy": args.strategy,
               "max_tokens": args.max_tokens, "prompts": len(prompts),
-              "serve_limits": {"max_concurrent_requests": cfg.serve.max_concurrent_requests,
-                               "max_queued_requests": cfg.serve.max_queued_requests,
-                               "retry_after_s": cfg.serve.retry_after_s,
-                               "request_timeout_s": cfg.serve.request_timeout_s}}
+              "serve_limits": {"max_concurrent_requests": cfg.serve.admission.max_concurrent_requests,
+                               "max_queued_requests": cfg.serve.admission.max_queued_requests,
+                               "retry_after_s": cfg.serve.admission.retry_after_s,
+                               "request_timeout_s": cfg.serve.limits.request_timeout_s}}
     if args.rounds:
         result.update(single_stream(args, local, quiet, load, prompts))
     if args.soak:

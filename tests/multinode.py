@@ -82,8 +82,8 @@ def serving(tmp: str) -> dict:
     cfg = load_config(None, [
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
         "serve.drafters={a: {seed: 0, num_cpus: 1, resources: {drafter_node: 1}}}",
-        "serve.verifier_resources={verifier_node: 1}", "serve.verifier_num_cpus=0.5", "serve.ingress_num_cpus=0.25",
-        "serve.draft_deadline_s=0.5", "serve.max_draft_deadline_s=5", "serve.max_concurrent_requests=4", "serve.request_timeout_s=120",
+        "serve.verifier.resources={verifier_node: 1}", "serve.verifier.num_cpus=0.5", "serve.ingress.num_cpus=0.25",
+        "serve.routing.draft_deadline_s=0.5", "serve.routing.max_draft_deadline_s=5", "serve.admission.max_concurrent_requests=4", "serve.limits.request_timeout_s=120",
     ])
     app = "taps-multinode"
     with two_node_cluster({"num_cpus": 2, "resources": {"verifier_node": 1}},

@@ -73,10 +73,10 @@ def test_serve_api_key_flags_add_to_the_configured_keys(monkeypatch, capsys):
 
     served = []
     monkeypatch.setattr(app, "run", lambda cfg, host, port: served.append((cfg, host, port)))
-    assert drafting.run_serve(parse(["serve", DEMO, "serve.api_keys=[k0]", "--api-key", "k1", "--api-key", "k2",
+    assert drafting.run_serve(parse(["serve", DEMO, "serve.http.api_keys=[k0]", "--api-key", "k1", "--api-key", "k2",
                                  "--port", "8123"])) == 0
     cfg, _, port = served[0]
-    assert cfg.serve.api_keys == ["k0", "k1", "k2"] and port == 8123
+    assert cfg.serve.http.api_keys == ["k0", "k1", "k2"] and port == 8123
     assert cli.main(["serve", DEMO, "--api-key", "has space"]) == 2
     err = capsys.readouterr().err
     assert "--api-key" in err and "has space" not in err
@@ -85,7 +85,8 @@ def test_serve_api_key_flags_add_to_the_configured_keys(monkeypatch, capsys):
 
 def test_config_help_prints_each_key_with_type_default_and_description(capsys):
     from taps_ray.cli import main
-    from taps_ray.config import FeaturesConfig, ObjectiveConfig, ServeConfig, TreeConfig
+    from taps_ray.config import FeaturesConfig, ObjectiveConfig, TreeConfig
+    from taps_ray.config_serve import AdmissionConfig
     from taps_ray.sweeps.config import SchedulerSpec
 
     def described(model, field: str) -> str:
@@ -96,7 +97,7 @@ def test_config_help_prints_each_key_with_type_default_and_description(capsys):
     for line, model, field in [
         ("tree.depth: int = 2", TreeConfig, "depth"),
         ("data.features.max_len: int = 384", FeaturesConfig, "max_len"),
-        ("serve.max_queued_requests: int = 8", ServeConfig, "max_queued_requests"),
+        ("serve.admission.max_queued_requests: int = 8", AdmissionConfig, "max_queued_requests"),
         ('target.dtype: auto | float32 | bfloat16 | float16 = "auto"', None, None),
         ("variants[].objective.hass_passes: int = 3", ObjectiveConfig, "hass_passes"),
         ("data.datasets.<name>.alternatives[].kind: sharegpt | gsm8k_train", None, None),
@@ -126,7 +127,7 @@ def test_docs_config_md_is_what_config_help_generates(capsys):
 
     assert main(["config-help", "--markdown"]) == 0
     generated = capsys.readouterr().out
-    assert "| `serve.max_queued_requests` | `int` | `8` |" in generated
+    assert "| `serve.admission.max_queued_requests` | `int` | `8` |" in generated
     assert generated == (REPO / "docs" / "CONFIG.md").read_text(), (
         "docs/CONFIG.md is out of date: run `taps config-help --markdown > docs/CONFIG.md`")
 

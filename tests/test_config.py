@@ -97,9 +97,10 @@ def _undocumented(roots) -> list[str]:
 
 def test_every_config_field_has_a_one_line_description():
     import taps_ray.config as experiment
+    import taps_ray.config_serve as serve
     import taps_ray.sweeps.config as sweeps
 
-    defined = [m for module in (experiment, sweeps) for m in vars(module).values()
+    defined = [m for module in (experiment, serve, sweeps) for m in vars(module).values()
                if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == module.__name__]
     assert {"ExperimentConfig", "ServeConfig", "ObjectiveConfig", "MixtureSweepSpec", "Dimension"} <= {
         m.__name__ for m in defined}
@@ -159,3 +160,20 @@ def test_eagle3_is_an_algorithm_of_variants_and_sweeps():
         _check_mixture_value("algorithm", "eagle4")
     with pytest.raises(ConfigError, match="eagle3"):
         load_config(None, ["variants=[{name: x, mixture: m, algorithm: eagle4}]"])
+
+
+def test_serve_knobs_sit_in_sections_and_a_flat_key_names_its_new_place():
+    from taps_ray.config_serve import MOVED, SECTIONS, ServeConfig
+
+    cfg = load_config(None, ["serve.admission.max_queued_requests=3", "serve.batching.max_tokens=16",
+                             "serve.routing.probe_steps=4", "serve.verifier.num_replicas=2"])
+    assert (cfg.serve.admission.max_queued_requests, cfg.serve.batching.max_tokens) == (3, 16)
+    assert (cfg.serve.routing.probe_steps, cfg.serve.verifier.num_replicas) == (4, 2)
+    with pytest.raises(ConfigError, match=r"serve.batch_max_tokens is now serve.batching.max_tokens; "
+                                          r"serve.host is now serve.http.host"):
+        load_config(None, ["serve.batch_max_tokens=16", "serve.host=0.0.0.0"])
+    for old, new in MOVED.items():
+        section, key = new.split(".")
+        assert key in SECTIONS[section].model_fields and old not in ServeConfig.model_fields, (old, new)
+    every = [f"{s}.{k}" for s, model in SECTIONS.items() for k in model.model_fields]
+    assert sorted(every) == sorted(set(MOVED.values())), "every sectioned knob was a flat key once, and only once"

@@ -280,15 +280,15 @@ def test_gpu_fractions_fit_what_replicas_load():
     assert serve["target"]["model"] == "hf:meta-llama/Meta-Llama-3-8B-Instruct" and serve["target"]["dtype"] == "bfloat16"
     assert "GPUs of >= 24 GB" in (DEPLOYMENTS / "rayservice.yaml").read_text()
     full_target = 2 * 8.03e9
-    sessions = serve["serve"]["max_concurrent_requests"]
+    sessions = serve["serve"]["admission"]["max_concurrent_requests"]
     per_replica = drafter_replica_bytes(config, sessions, config.max_position_embeddings)
     drafters = serve["serve"]["drafters"]
     for name, d in drafters.items():
         share = d["num_gpus"] * GPU_BYTES
         assert per_replica <= share < full_target, f"drafter {name}: {per_replica / 1e9:.1f} GB in {share / 1e9:.1f} GB"
-    assert serve["serve"]["verifier_num_gpus"] * GPU_BYTES > full_target
+    assert serve["serve"]["verifier"]["num_gpus"] * GPU_BYTES > full_target
     # the GPU workers hold the verifier and the largest drafter set
-    worst = serve["serve"]["verifier_num_gpus"] + sum(
+    worst = serve["serve"]["verifier"]["num_gpus"] + sum(
         d["num_gpus"] * (d.get("autoscaling", {}).get("max_replicas") or d.get("num_replicas", 1)) for d in drafters.values())
     (group,) = [g for _, g in walk_pods(rayservice()["spec"]["rayClusterConfig"]) if gpus(g)]
     assert worst <= group["maxReplicas"] * gpus(group)

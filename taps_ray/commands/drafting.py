@@ -182,12 +182,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def add_serve(parser: argparse.ArgumentParser) -> None:
     config_args(parser)
-    parser.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
+    parser.add_argument("--host", default=None, help="bind address (default: serve.http.host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.http.port, 8000)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="accept 'Authorization: Bearer KEY' (repeatable; adds to serve.api_keys and the "
+                        help="accept 'Authorization: Bearer KEY' (repeatable; adds to serve.http.api_keys and the "
                              "comma-separated TAPS_API_KEY env); without any key only a loopback address is served "
-                             "(serve.allow_unauthenticated=true opens another)")
+                             "(serve.http.allow_unauthenticated=true opens another)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -196,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = load_experiment(args)
     if args.api_key:
         try:
-            cfg.serve.api_keys = [*cfg.serve.api_keys, *args.api_key]
+            cfg.serve.http.api_keys = [*cfg.serve.http.api_keys, *args.api_key]
         except ValueError as err:
             raise UserError(f"--api-key: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     if args.port is not None and not 0 < args.port < 65536:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from taps_ray import artifacts
-from taps_ray.config import CaptureConfig
+from taps_ray.config_serve import CaptureConfig
 from taps_ray.data.contamination import FEATURE_PROMPTS, conversation_hash, prompt_hash
 from taps_ray.data.feature_sets import FORMAT_VERSION, MANIFEST
 from taps_ray.runstate import atomic_write, write_json

@@ -64,21 +64,21 @@ def is_loopback(host: str) -> bool:
 
 def exposure_refusal(host: str, api_keys: Iterable[str], allow_unauthenticated: bool) -> str | None:
     """Why binding ``host`` must be refused (fail closed: beyond loopback only with API keys, unless
-    ``serve.allow_unauthenticated``), or None when it may go ahead."""
+    ``serve.http.allow_unauthenticated``), or None when it may go ahead."""
     if is_loopback(host) or list(api_keys) or allow_unauthenticated:
         return None
     return (f"refusing to serve on {host!r} without API keys: anyone who can reach it could use the endpoint. "
-            f"Give keys (serve.api_keys, --api-key or {ENV_KEYS}), bind 127.0.0.1, or set "
-            f"serve.allow_unauthenticated=true to serve it open on purpose")
+            f"Give keys (serve.http.api_keys, --api-key or {ENV_KEYS}), bind 127.0.0.1, or set "
+            f"serve.http.allow_unauthenticated=true to serve it open on purpose")
 
 
 def open_warning(host: str) -> str:
     """The warning of an endpoint served on ``host`` without API keys (beyond loopback only with
-    ``serve.allow_unauthenticated``, which :func:`exposure_refusal` requires)."""
+    ``serve.http.allow_unauthenticated``, which :func:`exposure_refusal` requires)."""
     if is_loopback(host):
-        return (f"no API keys (serve.api_keys, --api-key, {ENV_KEYS}): anyone who can reach {host} on this machine "
+        return (f"no API keys (serve.http.api_keys, --api-key, {ENV_KEYS}): anyone who can reach {host} on this machine "
                 f"may use the endpoint")
-    return (f"serve.allow_unauthenticated is set: serving on {host!r}, beyond loopback, WITHOUT API keys: anyone "
+    return (f"serve.http.allow_unauthenticated is set: serving on {host!r}, beyond loopback, WITHOUT API keys: anyone "
             f"who can reach that address may use the endpoint")
 
 
@@ -94,8 +94,8 @@ class AccessPolicy:
 
     @classmethod
     def from_config(cls, cfg: ServeConfig, api_keys: Iterable[str]) -> AccessPolicy:
-        return cls(tuple(k.encode() for k in api_keys), tuple(h.lower() for h in cfg.allowed_hosts), cfg.docs,
-                   cfg.max_body_bytes, cfg.body_timeout_s)
+        return cls(tuple(k.encode() for k in api_keys), tuple(h.lower() for h in cfg.http.allowed_hosts), cfg.http.docs,
+                   cfg.http.max_body_bytes, cfg.http.body_timeout_s)
 
     def key_ok(self, token: bytes) -> bool:
         """Constant-time comparison against every key (no early exit)."""

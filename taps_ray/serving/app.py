@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
             cfg = load_config(self.config, self.overrides)
             if self.experiment:
                 raw = cfg.model_dump()
-                raw["serve"]["api_keys"] = list(cfg.serve.api_keys)
+                raw["serve"].setdefault("http", {})["api_keys"] = list(cfg.serve.http.api_keys)
                 raw.update(self.experiment)
                 return ExperimentConfig.model_validate(apply_overrides(raw, self.overrides))
             return cfg
@@ -78,7 +78,7 @@ def application(cfg: ExperimentConfig):
     except RequestError as err:
         raise ConfigError(f"serve.strategy: {err.message}") from None
     target, tree = cfg.target.model_dump(), cfg.tree.model_dump()
-    ttl = s.request_timeout_s + SESSION_GRACE_S
+    ttl = s.limits.request_timeout_s + SESSION_GRACE_S
     router = RequestRouterConfig(request_router_class=SessionAffinityRouter)
     drafters = {}
     for name, d in s.drafters.items():
@@ -93,23 +93,23 @@ def application(cfg: ExperimentConfig):
         else:
             options["num_replicas"] = d.num_replicas
         drafters[name] = serve.deployment(Drafter).options(**options).bind(name, target, tree, ttl, d.threads,
-                                                                          d.batch_sessions, s.batch_wait_ms / 1000)
+                                                                          d.batch_sessions, s.batching.wait_ms / 1000)
     verifier = serve.deployment(Verifier).options(
-        name=VERIFIER_DEPLOYMENT, num_replicas=s.verifier_replicas, max_ongoing_requests=s.max_concurrent_requests,
-        max_queued_requests=s.max_queued_requests,
-        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=s.retry_after_s),
-        ray_actor_options={"num_cpus": s.verifier_num_cpus, "num_gpus": s.verifier_num_gpus,
-                           "resources": dict(s.verifier_resources)},
+        name=VERIFIER_DEPLOYMENT, num_replicas=s.verifier.num_replicas, max_ongoing_requests=s.admission.max_concurrent_requests,
+        max_queued_requests=s.admission.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=s.admission.retry_after_s),
+        ray_actor_options={"num_cpus": s.verifier.num_cpus, "num_gpus": s.verifier.num_gpus,
+                           "resources": dict(s.verifier.resources)},
         logging_config=INTERNAL_LOGGING,
     ).bind(target, tree, s.model_dump(), drafters)
     model_name = s.model_name or served_model_name(cfg.target.model)
     ongoing, queued = ingress_limits(s)
     return serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=s.ingress_replicas, max_ongoing_requests=ongoing, max_queued_requests=queued,
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.retry_after_s),
-        ray_actor_options={"num_cpus": s.ingress_num_cpus},
+        name="Ingress", num_replicas=s.ingress.num_replicas, max_ongoing_requests=ongoing, max_queued_requests=queued,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.admission.retry_after_s),
+        ray_actor_options={"num_cpus": s.ingress.num_cpus},
     ).bind(verifier, s.model_dump(), cfg.sampling.model_dump(), model_name, [cfg.target.model],
-           resolve_api_keys(s.api_keys))
+           resolve_api_keys(s.http.api_keys))
 
 
 def ingress_limits(s: ServeConfig) -> tuple[int, int]:
@@ -117,7 +117,7 @@ def ingress_limits(s: ServeConfig) -> tuple[int, int]:
     the verifiers decode and queue (each holds an ingress slot while it streams) plus
     :data:`INGRESS_HEADROOM` for probes, metrics and the at-once 429s, so ``/health`` never waits behind
     decoding. Past both, Serve's proxy itself answers 503 with ``Retry-After`` (a plain-text body)."""
-    ongoing = s.verifier_replicas * s.max_concurrent_requests + s.max_queued_requests + INGRESS_HEADROOM
+    ongoing = s.verifier.num_replicas * s.admission.max_concurrent_requests + s.admission.max_queued_requests + INGRESS_HEADROOM
     return ongoing, ongoing
 
 
@@ -136,10 +136,10 @@ def build_app(args: dict):
     host = ray_compat.serve_http_host()
     if host is not None:
         try:
-            keys = resolve_api_keys(cfg.serve.api_keys)
+            keys = resolve_api_keys(cfg.serve.http.api_keys)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if refusal := exposure_refusal(host, keys, cfg.serve.allow_unauthenticated):
+        if refusal := exposure_refusal(host, keys, cfg.serve.http.allow_unauthenticated):
             raise ConfigError(refusal)
     return application(cfg)
 
@@ -152,10 +152,10 @@ def run(cfg: ExperimentConfig, host: str | None = None, port: int | None = None,
 
     from taps_ray.runtime.cluster import init_ray
 
-    host = host or cfg.serve.host
-    port = port or cfg.serve.port
-    keys = resolve_api_keys(cfg.serve.api_keys)
-    refusal = exposure_refusal(host, keys, cfg.serve.allow_unauthenticated)
+    host = host or cfg.serve.http.host
+    port = port or cfg.serve.http.port
+    keys = resolve_api_keys(cfg.serve.http.api_keys)
+    refusal = exposure_refusal(host, keys, cfg.serve.http.allow_unauthenticated)
     if refusal:
         raise ValueError(refusal)
     init_ray()

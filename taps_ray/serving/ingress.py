@@ -10,8 +10,8 @@ count against the context length before prefill (its first streamed event is ``s
 so no HTTP status is committed before that).
 
 Load shedding: an ingress replica passes at most every verifier slot plus
-``serve.max_queued_requests`` requests on to the verifiers (:class:`~taps_ray.serving.admission.Admission`);
-a request beyond them is answered at once with a 429 and ``Retry-After``. A request's ``serve.request_timeout_s`` counts from its arrival, queueing
+``serve.admission.max_queued_requests`` requests on to the verifiers (:class:`~taps_ray.serving.admission.Admission`);
+a request beyond them is answered at once with a 429 and ``Retry-After``. A request's ``serve.limits.request_timeout_s`` counts from its arrival, queueing
 included (504 when it runs out before decoding starts). ``/health`` answers from the ingress alone;
 ``/ready`` asks the Serve controller whether the verifier and drafters have running replicas.
 ``/v1/models`` and ``/metrics`` (``taps_drafter_version``) show the drafter version each drafter's replicas
@@ -20,7 +20,7 @@ serve, asked of the replicas (at most every :data:`DRAFTERS_CACHE_S`), so a prom
 
 Exposure fails closed here too, whatever deployed the application (``taps serve``, ``serve deploy``, a
 RayService): an ingress without API keys starts only when the address Serve's HTTP proxies bind (the Serve
-controller's, else ``serve.host``) is loopback or ``serve.allow_unauthenticated`` is set, and warns either way.
+controller's, else ``serve.http.host``) is loopback or ``serve.http.allow_unauthenticated`` is set, and warns either way.
 
 Errors leak nothing: every error body carries the request id; 5xx bodies say only that something
 failed, and the details (exception, traceback) go to the server log under that id.
@@ -155,11 +155,11 @@ def readiness(running: dict[str, int], drafters: list[str]) -> dict:
 
 
 def per_key_limit(cfg: ServeConfig, keys: int, capacity: int) -> int | None:
-    """Requests one API key may hold in an ingress replica: ``serve.max_requests_per_key``, or by default,
+    """Requests one API key may hold in an ingress replica: ``serve.admission.max_requests_per_key``, or by default,
     with several keys, every admitted slot but one (so no key holds them all); None with fewer than two
     keys and no setting."""
-    if cfg.max_requests_per_key is not None:
-        return cfg.max_requests_per_key
+    if cfg.admission.max_requests_per_key is not None:
+        return cfg.admission.max_requests_per_key
     return max(1, capacity - 1) if keys > 1 else None
 
 
@@ -207,8 +207,8 @@ class Ingress:
         self.cfg = ServeConfig(**serve_cfg)
         keys = access.resolve_api_keys(api_keys or ())
         if not keys:
-            host = served_host() or self.cfg.host
-            if refusal := access.exposure_refusal(host, keys, self.cfg.allow_unauthenticated):
+            host = served_host() or self.cfg.http.host
+            if refusal := access.exposure_refusal(host, keys, self.cfg.http.allow_unauthenticated):
                 raise ValueError(refusal)
             log.warning(access.open_warning(host))
         access.configure(access.AccessPolicy.from_config(self.cfg, keys))
@@ -216,14 +216,14 @@ class Ingress:
         self.sampling = SamplingConfig(**sampling).model_dump()
         self.model_name = model_name
         self.aliases = {model_name, *aliases}
-        self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.metrics_names))
+        self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.http.metrics_names))
         self.created = protocol.now()
         self._ready = SharedFill(READY_CACHE_S)
         self._drafters = SharedFill(DRAFTERS_CACHE_S)
         self._controller = None
         self._cost_asked = -math.inf
-        self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.retry_after_s)))}
-        capacity = self.cfg.verifier_replicas * self.cfg.max_concurrent_requests + self.cfg.max_queued_requests
+        self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.admission.retry_after_s)))}
+        capacity = self.cfg.verifier.num_replicas * self.cfg.admission.max_concurrent_requests + self.cfg.admission.max_queued_requests
         self.admission = Admission(capacity, per_key_limit(self.cfg, len(keys), capacity))
 
     @app.post("/v1/chat/completions")
@@ -425,7 +425,7 @@ class Ingress:
             self.metrics.aborted.labels(self.model_name, "timeout").inc()
             self.metrics.failed(504)
             return JSONResponse(error_body(
-                f"the request timed out after {self.cfg.request_timeout_s:g} s waiting for a decoding slot",
+                f"the request timed out after {self.cfg.limits.request_timeout_s:g} s waiting for a decoding slot",
                 "timeout_error", None, "timeout", request.request_id), status_code=504)
         except asyncio.CancelledError:
             cancel_call(events)
@@ -468,7 +468,7 @@ class Ingress:
             max_tokens=body.max_tokens, sampling=body.sampling(self.sampling), stop=body.stop,
             raw=prompt_param == "prompt", prompt_param=prompt_param,
             deadline_s=taps.draft_deadline_s if taps else None,
-            request_id=request_id, expires_at=arrival + self.cfg.request_timeout_s, logprobs=body.top_logprobs_count,
+            request_id=request_id, expires_at=arrival + self.cfg.limits.request_timeout_s, logprobs=body.top_logprobs_count,
             store=getattr(body, "store", None) is True,
         )
 

@@ -9,7 +9,7 @@ Ray's dashboard and Grafana read) serves them cluster-wide as ``ray_<name>`` (co
 ``GET /metrics`` renders: with several ingress replicas each page shows only the share of the
 replica that answered it.
 
-Names. Every series has a ``taps_`` name. With ``serve.metrics_names: vllm`` the series vLLM also
+Names. Every series has a ``taps_`` name. With ``serve.http.metrics_names: vllm`` the series vLLM also
 has are recorded a second time under vLLM's name, so dashboards built for vLLM work: on
 ``/metrics`` as a vLLM server writes them (``vllm:spec_decode_num_drafts_total``), in Ray's export
 as vLLM's own Ray stat logger writes them (``:`` becomes ``_``, which Ray requires:
@@ -78,9 +78,9 @@ SERIES = {s.name: s for s in (
     Series("gauge", "taps_num_requests_waiting", "Requests waiting for a verifier slot",
            vllm="vllm:num_requests_waiting", attribute="waiting"),
     Series("counter", "taps_key_refusals", "Requests refused (429) because their API key held its share of the "
-           "slots (serve.max_requests_per_key), by key fingerprint", ("key",), attribute="key_refusals"),
+           "slots (serve.admission.max_requests_per_key), by key fingerprint", ("key",), attribute="key_refusals"),
     Series("counter", "taps_request_aborted", "Requests given up before they finished, by reason (disconnect: the "
-           "client hung up; timeout: serve.request_timeout_s ran out in the queue)", ("reason",),
+           "client hung up; timeout: serve.limits.request_timeout_s ran out in the queue)", ("reason",),
            attribute="aborted"),
     Series("counter", "taps_prompt_tokens", "Prompt tokens of finished requests", vllm="vllm:prompt_tokens",
            attribute="prompt_tokens"),
@@ -100,9 +100,9 @@ SERIES = {s.name: s for s in (
     Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree",
            attribute="plain_steps"),
     Series("counter", "taps_spec_decode_shrunk_steps", "Steps whose draft tree was cut to its share of "
-           "serve.batch_max_tokens under load, or not drafted (a share of one node: a plain step)",
+           "serve.batching.max_tokens under load, or not drafted (a share of one node: a plain step)",
            attribute="shrunk_steps"),
-    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batch_max_tokens",
+    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batching.max_tokens",
            attribute="shed_draft_tokens"),
     Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",),
            attribute="route_decisions"),

@@ -91,7 +91,7 @@ class DecodeRequest:
     """One request as the ingress hands it over: ``prompt`` is chat messages, raw text (``raw``) or
     token ids; ``prompt_param`` names the request field for errors. ``request_id``: the HTTP request's
     id (error bodies and log lines name it); ``expires_at``: the wall-clock time (``time.time()``) its
-    ``serve.request_timeout_s`` runs out, counted from its arrival at the ingress (None: from the start
+    ``serve.limits.request_timeout_s`` runs out, counted from its arrival at the ingress (None: from the start
     of decoding); ``logprobs``: alternatives per token the response reports (None: no logprobs); ``store``: the client asked
     that the request be kept (OpenAI's ``store``), which ``serve.capture.mode: stored`` requires."""
 

@@ -88,7 +88,7 @@ class Verifier:
         self.target = TargetModel.load(target_cfg)
         self.tree = TreeConfig(**tree)
         self.clients: dict[str, DrafterClient] = {name: HandleClient(h) for name, h in drafters.items()}
-        self.pool = ThreadPoolExecutor(self.cfg.max_concurrent_requests, thread_name_prefix="taps-decode")
+        self.pool = ThreadPoolExecutor(self.cfg.admission.max_concurrent_requests, thread_name_prefix="taps-decode")
         self.pieces = TokenPieces(self.target.tokenizer) if self.target.tokenizer is not None else None
         if self.cfg.capture.enabled:
             folder = capture_dir(self.cfg.capture, self.cfg.app_name)
@@ -116,7 +116,7 @@ class Verifier:
         self._active_lock = threading.Lock()
         self._supports: dict[frozenset[str], torch.Tensor | None] = {}
         self._layers: dict[str, tuple[int, ...]] = {}
-        self.batcher = ForwardBatcher(self.target, self.cfg.batch_max_requests, self.cfg.batch_wait_ms / 1000,
+        self.batcher = ForwardBatcher(self.target, self.cfg.batching.max_requests, self.cfg.batching.wait_ms / 1000,
                                       expected=lambda: self.active - self.stalled)
         self.batched = BatchingTarget(self.target, self.batcher)
 
@@ -164,12 +164,12 @@ class Verifier:
         return support
 
     def node_budget(self) -> int:
-        """The most tree nodes a request may verify in its next step: its share of ``serve.batch_max_tokens``
-        among the requests decoding now, as many as share a forward (``serve.batch_max_requests``); 1 (a
-        plain step) when that share is below ``serve.min_tree_nodes``."""
-        sharing = max(1, min(self.active, self.cfg.batch_max_requests))
-        share = self.cfg.batch_max_tokens // sharing
-        return share if share >= self.cfg.min_tree_nodes else 1
+        """The most tree nodes a request may verify in its next step: its share of ``serve.batching.max_tokens``
+        among the requests decoding now, as many as share a forward (``serve.batching.max_requests``); 1 (a
+        plain step) when that share is below ``serve.batching.min_tree_nodes``."""
+        sharing = max(1, min(self.active, self.cfg.batching.max_requests))
+        share = self.cfg.batching.max_tokens // sharing
+        return share if share >= self.cfg.batching.min_tree_nodes else 1
 
     def info(self) -> dict:
         """The target, its context length, the drafters, this replica's pid, Ray node id (``node_id``, hex) and
@@ -186,15 +186,15 @@ class Verifier:
 
     async def generate(self, request: DecodeRequest):
         """The request's events (see the class); the caller reads them as they come. At most
-        ``serve.max_buffered_events`` events wait here unread: a decode loop whose reader falls that far
+        ``serve.limits.max_buffered_events`` events wait here unread: a decode loop whose reader falls that far
         behind waits before its next event (its slot held, its tokens kept; ``stalled`` in :meth:`info`)
         until the reader takes one, the caller goes away (then it stops as cancelled) or the request's
         deadline passes (then it ends with its 504). The final ``done`` or ``error`` never waits."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        room = threading.BoundedSemaphore(self.cfg.max_buffered_events)
-        expires = request.expires_at if request.expires_at is not None else time.time() + self.cfg.request_timeout_s
+        room = threading.BoundedSemaphore(self.cfg.limits.max_buffered_events)
+        expires = request.expires_at if request.expires_at is not None else time.time() + self.cfg.limits.request_timeout_s
 
         def emit(event: dict) -> None:
             if event["type"] not in FINAL_EVENTS and not self._wait_for_room(room, cancel, expires):
@@ -258,7 +258,7 @@ class Verifier:
 
     def _decode(self, request: DecodeRequest, emit: Callable[[dict], None],
                 cancel: threading.Event | None) -> str | None:
-        timeout = self.cfg.request_timeout_s
+        timeout = self.cfg.limits.request_timeout_s
         expires = time.monotonic() + (timeout if request.expires_at is None else request.expires_at - time.time())
 
         def gone() -> str | None:
@@ -281,13 +281,13 @@ class Verifier:
         capture = self.capture if kept and self.capture.sampled() else None
         session = DecodeSession(self.batched, request, emit, self.pieces if request.logprobs is not None else None,
                                 capture, self.budget(request.plan), self.cost_info())
-        deadline = self.cfg.draft_deadline_s if request.deadline_s is None else request.deadline_s
+        deadline = self.cfg.routing.draft_deadline_s if request.deadline_s is None else request.deadline_s
         strategy = RemoteStrategy(request.rid, request.plan, self.clients, deadline, self.tree.total_tokens,
-                                  self.cfg.route_probe_steps, self.cfg.route_recheck_every, self.tree,
+                                  self.cfg.routing.probe_steps, self.cfg.routing.recheck_every, self.tree,
                                   self._support(request.plan, deadline), self._drafter_layers(request.plan, deadline))
         try:
             stopped = session.run(ids, strategy, sampling, max_tokens, cancel, expires,
-                                  self.node_budget if self.cfg.batch_max_tokens else None)
+                                  self.node_budget if self.cfg.batching.max_tokens else None)
         finally:
             if any("vocabulary" in counts for counts in strategy.skips.values()):
                 self._supports.pop(frozenset(request.plan.drafters), None)
@@ -307,7 +307,7 @@ class Verifier:
                                f"most {limit - 1} prompt tokens fit", request.prompt_param,
                                code="context_length_exceeded")
         room = limit - n
-        max_tokens = request.max_tokens if request.max_tokens is not None else min(self.cfg.max_tokens_default, room)
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(self.cfg.limits.max_tokens_default, room)
         if max_tokens > room:
             raise RequestError(f"max_tokens is {max_tokens}, but the prompt has {n} tokens and this model's context "
                                f"length is {limit}: at most {room} new tokens fit", "max_tokens",

@@ -15,7 +15,8 @@ import torch
 
 from taps_ray import cli
 from taps_ray.adapt.finetune import AdaptError, gate_domains, model_card, run_adapt
-from taps_ray.config import CaptureConfig, ConfigError, load_config
+from taps_ray.config import ConfigError, load_config
+from taps_ray.config_serve import CaptureConfig
 from taps_ray.data.capture import TRAFFIC
 from taps_ray.data.contamination import TRAINED_PROMPTS, prompt_hash
 from taps_ray.models.drafter import DraftHead

@@ -16,7 +16,8 @@ from taps_ray.adapt import watch as watch_module
 from taps_ray.adapt.finetune import AdaptError, AdaptResult, next_version
 from taps_ray.adapt.promote import PartialSwap, PromotionLog
 from taps_ray.adapt.watch import Watch
-from taps_ray.config import CaptureConfig, load_config
+from taps_ray.config import load_config
+from taps_ray.config_serve import CaptureConfig
 from taps_ray.data.capture import CaptureWriter
 from taps_ray.runstate import FolderLocked
 from taps_ray.train.variant import TrainLaunchError

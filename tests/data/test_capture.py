@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from taps_ray.config import CaptureConfig, ServeConfig, TreeConfig
+from taps_ray.config import ServeConfig, TreeConfig
+from taps_ray.config_serve import CaptureConfig
 from taps_ray.data.capture import CaptureWriter, captured_requests, fill_features, snapshot
 from taps_ray.data.contamination import FEATURE_PROMPTS, prompt_hash
 from taps_ray.data.feature_sets import MANIFEST, FeatureCacheError, decode_row, open_feature_set
@@ -56,7 +57,8 @@ def drafters(target):
 def make_verifier(target, drafters, capture: CaptureConfig | None, **fields) -> Verifier:
     verifier = object.__new__(Verifier)
     verifier.target, verifier.tree = target, TREE
-    verifier.cfg = ServeConfig(drafters={n: None for n in drafters}, draft_deadline_s=30,
+    routing = {"draft_deadline_s": 30, **fields.pop("routing", {})}
+    verifier.cfg = ServeConfig(drafters={n: None for n in drafters}, routing=routing,
                                capture=capture or CaptureConfig(), **fields)
     verifier.clients = {n: LocalClient([DraftSessions(target, d, TREE)]) for n, d in drafters.items()}
     verifier.pool = ThreadPoolExecutor(1)
@@ -155,7 +157,7 @@ def test_the_loops_features_equal_teacher_forced_ones_in_fp32(target, drafters, 
 
 def test_routing_labels_are_columns_the_training_reader_leaves_out(target, drafters, tmp_path):
     capture = CaptureConfig(enabled=True, dir=str(tmp_path / "cap"))
-    verifier = make_verifier(target, drafters, capture, route_probe_steps=2)
+    verifier = make_verifier(target, drafters, capture, routing={"probe_steps": 2})
     out = decode(verifier, PROMPTS[1], "routed:confidence:request", ["a", "b"])
     verifier.capture.flush()
     table = pq.read_table(open_feature_set(tmp_path / "cap", target.fingerprint.to_dict(), "c").shard_paths())

@@ -190,7 +190,7 @@ def test_health_is_open_without_a_key(serve_app):
 
 def test_a_key_holding_its_share_of_the_slots_is_refused_and_counted_per_key(serve_app):
     other = "sk-other-456"
-    call = serve_app(keys=[KEY, other], max_requests_per_key=1)
+    call = serve_app(keys=[KEY, other], admission={"max_requests_per_key": 1})
     instance = ray.serve.get_replica_context().servable_object
     mine = access.key_fingerprint(KEY.encode())
     assert ingress.per_key_limit(ServeConfig(), 2, 16) == 15 and ingress.per_key_limit(ServeConfig(), 1, 16) is None
@@ -255,8 +255,8 @@ def test_health_does_not_ask_the_verifier_and_ready_leaks_nothing(serve_app, mon
 def test_docs_are_off_by_default_and_on_with_serve_docs(serve_app, path):
     status, _, data = serve_app()("GET", path)
     assert status == 404 and set(data["error"]) == {"message", "type", "param", "code", "request_id"}
-    assert serve_app(docs=True)("GET", path)[0] == 200
-    assert serve_app(docs=True, keys=[KEY])("GET", path)[0] == 401
+    assert serve_app(http={"docs": True})("GET", path)[0] == 200
+    assert serve_app(http={"docs": True}, keys=[KEY])("GET", path)[0] == 401
 
 
 def test_models_shows_no_filesystem_paths(serve_app):
@@ -272,7 +272,7 @@ def test_models_shows_no_filesystem_paths(serve_app):
                                       ("x.internal.net", True), ("evil.com", False), ("example.com.evil.com", False),
                                       ("", False), ("[::1]:8000", True)])
 def test_host_allow_list(serve_app, host, ok):
-    call = serve_app(allowed_hosts=["api.example.com", "*.internal.net", "[::1]"])
+    call = serve_app(http={"allowed_hosts": ["api.example.com", "*.internal.net", "[::1]"]})
     result = call("POST", CHAT, chat(), {"host": host})
     if ok:
         assert result[0] == 200
@@ -290,7 +290,7 @@ def test_headers_that_would_let_a_client_hold_a_slot_are_refused(serve_app, head
 
 
 def test_a_token_id_prompt_counts_against_a_token_limit_at_the_ingress(serve_app):
-    call = serve_app(max_prompt_tokens=64)
+    call = serve_app(limits={"max_prompt_tokens": 64})
     body = {"model": MODEL, "prompt": list(range(2, 70)), "max_tokens": 2}
     error = assert_error(call("POST", "/v1/completions", body), 400, "prompt")
     assert "68 token ids; at most 64" in error["message"] and not call.verifier.requests
@@ -327,7 +327,7 @@ def test_acceptance_figures_are_withheld_from_responses_when_capture_is_on_or_a_
 
 def test_a_body_not_received_in_time_is_408_and_decodes_nothing(serve_app):
     """A client that trickles (here: stops sending mid-body) cannot hold an ingress slot past body_timeout_s."""
-    call = serve_app(body_timeout_s=0.2)
+    call = serve_app(http={"body_timeout_s": 0.2})
     started = time.monotonic()
     result = asyncio.run(_asgi(ingress.app, "POST", CHAT, {"host": "testserver", "content-type": "application/json"},
                                [b'{"model": "', b"smol"], finished=False))
@@ -338,13 +338,13 @@ def test_a_body_not_received_in_time_is_408_and_decodes_nothing(serve_app):
 
 
 def test_an_oversized_body_is_413_with_content_length(serve_app):
-    call = serve_app(max_body_bytes=4096)
+    call = serve_app(http={"max_body_bytes": 4096})
     assert_error(call("POST", CHAT, chat(user="x" * 5000)), 413, "body")
     assert not call.verifier.requests
 
 
 def test_an_oversized_chunked_body_without_content_length_is_413(serve_app):
-    call = serve_app(max_body_bytes=4096)
+    call = serve_app(http={"max_body_bytes": 4096})
     result = call("POST", CHAT, chunks=[b'{"model": "tiny", "messages": [', *[b" " * 1000] * 10, b"]}"])
     assert_error(result, 413, "body")
     ok = call("POST", CHAT, chunks=[b'{"model": "tiny", ', b'"messages": [{"role": "user", "content": "hi"}]}'])
@@ -357,8 +357,8 @@ def test_a_lying_content_length_is_400(serve_app):
 
 # -- limits and values ----------------------------------------------------------------------------
 
-LIMITS = dict(max_messages=4, max_prompt_chars=100, max_stop_sequences=2, max_stop_chars=8, max_tokens_cap=64,
-              draft_deadline_s=1.0)
+LIMITS = dict(limits=dict(max_messages=4, max_prompt_chars=100, max_stop_sequences=2, max_stop_chars=8,
+                          max_tokens_cap=64), routing=dict(draft_deadline_s=1.0))
 
 
 @pytest.mark.parametrize("body, param", [
@@ -414,18 +414,18 @@ def test_values_at_the_limits_are_accepted(serve_app, body):
 
 
 def test_max_draft_deadline_s_raises_the_bound():
-    cfg = ServeConfig(draft_deadline_s=1.0, max_draft_deadline_s=5.0)
+    cfg = ServeConfig(routing={"draft_deadline_s": 1.0, "max_draft_deadline_s": 5.0})
     protocol.check_limits(protocol.ChatCompletionRequest(**chat(taps={"draft_deadline_s": 5.0})), cfg)
     with pytest.raises(protocol.RequestError, match="cap of 5 s"):
         protocol.check_limits(protocol.ChatCompletionRequest(**chat(taps={"draft_deadline_s": 5.5})), cfg)
 
 
 def test_api_keys_are_not_dumped_and_resolve_with_the_env():
-    cfg = ServeConfig(api_keys=["k1"])
+    cfg = ServeConfig(http={"api_keys": ["k1"]})
     assert "api_keys" not in cfg.model_dump() and "k1" not in repr(cfg)
     assert access.resolve_api_keys(["k1"], {"TAPS_API_KEY": "k2, k1,k3"}) == ["k1", "k2", "k3"]
     with pytest.raises(ValueError, match="api_keys"):
-        ServeConfig(api_keys=["has space"])
+        ServeConfig(http={"api_keys": ["has space"]})
 
 
 @pytest.mark.parametrize("secret", ["", "   ", "k1,,k2", "k1, "])
@@ -481,7 +481,7 @@ def _ingress(**fields):
 def test_serve_deploy_refuses_a_public_address_without_keys_like_taps_serve(controller_binds, monkeypatch):
     """The Serve config path (``build_app``, then each ingress replica) fails closed on the address the Serve
     controller's HTTP proxies bind: beyond loopback without API keys, the builder raises before any deployment
-    starts and an ingress replica does not start; keys or ``serve.allow_unauthenticated`` let both go ahead."""
+    starts and an ingress replica does not start; keys or ``serve.http.allow_unauthenticated`` let both go ahead."""
     from ray.serve import Application
 
     from taps_ray.config import ConfigError
@@ -493,7 +493,7 @@ def test_serve_deploy_refuses_a_public_address_without_keys_like_taps_serve(cont
         build_app(args)
     with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0' without API keys"):
         _ingress()
-    assert isinstance(build_app(AppArgs(**args, overrides=["serve.allow_unauthenticated=true"])), Application)
+    assert isinstance(build_app(AppArgs(**args, overrides=["serve.http.allow_unauthenticated=true"])), Application)
     monkeypatch.setenv(access.ENV_KEYS, KEY)
     assert isinstance(build_app(args), Application) and _ingress().keyed
     monkeypatch.delenv(access.ENV_KEYS)
@@ -501,14 +501,14 @@ def test_serve_deploy_refuses_a_public_address_without_keys_like_taps_serve(cont
     assert isinstance(build_app(args), Application) and not _ingress().keyed
     controller_binds(None)
     with pytest.raises(ValueError, match="refusing to serve on '10.0.0.5'"):
-        _ingress(host="10.0.0.5")
-    assert not _ingress().keyed, "without a controller (built in-process) serve.host is the address checked"
+        _ingress(http={"host": "10.0.0.5"})
+    assert not _ingress().keyed, "without a controller (built in-process) serve.http.host is the address checked"
 
 
 def test_allow_unauthenticated_serves_a_public_address_open_with_a_loud_warning(controller_binds, caplog):
     controller_binds("0.0.0.0")
     with caplog.at_level(logging.WARNING, logger=ingress.log.name):
-        instance = _ingress(allow_unauthenticated=True)
+        instance = _ingress(http={"allow_unauthenticated": True})
     assert not instance.keyed
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [access.open_warning("0.0.0.0")]
@@ -516,7 +516,7 @@ def test_allow_unauthenticated_serves_a_public_address_open_with_a_loud_warning(
     caplog.clear()
     controller_binds("127.0.0.1")
     with caplog.at_level(logging.WARNING, logger=ingress.log.name):
-        _ingress(allow_unauthenticated=True)
+        _ingress(http={"allow_unauthenticated": True})
     assert [r.getMessage() for r in caplog.records] == [access.open_warning("127.0.0.1")]
     assert "allow_unauthenticated" not in access.open_warning("127.0.0.1")
 
@@ -600,7 +600,7 @@ def sse_events(data: bytes) -> list:
 def test_a_full_queue_is_a_429_at_once_with_retry_after(serve_app):
     from ray.serve.exceptions import BackPressureError
 
-    call = serve_app(max_queued_requests=3, retry_after_s=2.5)
+    call = serve_app(admission={"max_queued_requests": 3, "retry_after_s": 2.5})
     full = BackPressureError(num_queued_requests=3, max_queued_requests=3, status_code=429)
     streams = scripted(call, full, cancel_raises=full)
     status, headers, _ = result = call("POST", CHAT, chat(stream=True), {"x-request-id": "burst-7"})
@@ -613,7 +613,7 @@ def test_a_full_queue_is_a_429_at_once_with_retry_after(serve_app):
 
 
 def test_the_deadline_counts_from_arrival_and_ends_the_wait_in_the_queue(serve_app):
-    call = serve_app(request_timeout_s=0.2)
+    call = serve_app(limits={"request_timeout_s": 0.2})
     streams = scripted(call, "hang")
     error = assert_error(call("POST", CHAT, chat()), 504, None)
     assert error["code"] == "timeout" and streams[0].cancelled == 1
@@ -735,7 +735,8 @@ def test_readiness_report():
 def test_ingress_limits_leave_room_for_probes_beyond_the_verifier_queue():
     from taps_ray.serving.app import INGRESS_HEADROOM, ingress_limits
 
-    cfg = ServeConfig(drafters={"a": None}, max_concurrent_requests=3, max_queued_requests=5, verifier_replicas=2)
+    cfg = ServeConfig(drafters={"a": None}, admission={"max_concurrent_requests": 3, "max_queued_requests": 5},
+                      verifier={"num_replicas": 2})
     ongoing, queued = ingress_limits(cfg)
     assert ongoing == 2 * 3 + 5 + INGRESS_HEADROOM and queued == ongoing
 
@@ -751,7 +752,7 @@ def _verifier(target, **fields) -> Verifier:
     verifier.target, verifier.clients = target, {}
     verifier.cfg = ServeConfig(drafters={"a": None}, **fields)
     verifier.tree = TreeConfig(lookup_tokens=0)
-    verifier.pool = ThreadPoolExecutor(verifier.cfg.max_concurrent_requests)
+    verifier.pool = ThreadPoolExecutor(verifier.cfg.admission.max_concurrent_requests)
     verifier._init_counts()
     return verifier
 

@@ -139,7 +139,7 @@ class Stepper:
 
 
 def _buffered_verifier(timeout_s: float = 60.0) -> tuple[Verifier, Stepper, DecodeRequest]:
-    cfg = ServeConfig(drafters={"a": None}, max_buffered_events=BOUND)
+    cfg = ServeConfig(drafters={"a": None}, limits={"max_buffered_events": BOUND})
     verifier = object.__new__(Verifier)
     verifier.cfg, verifier.pool, verifier._active_lock = cfg, ThreadPoolExecutor(1), threading.Lock()
     verifier.waiting = verifier.stalled = 0

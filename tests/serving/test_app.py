@@ -53,8 +53,8 @@ def served(ray_session, embedded_target, capture_dir):
     shard per request, into ``capture_dir``)."""
     cfg = load_config(None, [
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
-        "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.draft_deadline_s=30",
-        "serve.max_concurrent_requests=8", "serve.request_timeout_s=120",
+        "serve.drafters={a: {seed: 0}, b: {seed: 1}}", "serve.routing.draft_deadline_s=30",
+        "serve.admission.max_concurrent_requests=8", "serve.limits.request_timeout_s=120",
         f"serve.capture={json.dumps({'enabled': True, 'dir': str(capture_dir), 'rows_per_shard': 1, 'mode': 'all'})}",
         "serve.show_acceptance=true",  # the tests read the acceptance figures, which capture would withhold
     ])

@@ -30,8 +30,8 @@ def served(ray_session, embedded_target, tmp_path_factory):
     head.save(folder, embedded_target.fingerprint)
     cfg = load_config(None, [
         f"tree={json.dumps(TREE)}", "target.threads=1", "target.dtype=float32",
-        f"serve.drafters={{e3: {{checkpoint: {folder}}}, e2: {{seed: 1}}}}", "serve.draft_deadline_s=60",
-        "serve.request_timeout_s=180", "serve.show_acceptance=true",
+        f"serve.drafters={{e3: {{checkpoint: {folder}}}, e2: {{seed: 1}}}}", "serve.routing.draft_deadline_s=60",
+        "serve.limits.request_timeout_s=180", "serve.show_acceptance=true",
     ])
 
     def reference() -> dict:

@@ -63,8 +63,8 @@ def test_queue_limits_reach_the_deployments():
     has room for all of them and its probes."""
     from taps_ray.serving.app import INGRESS_HEADROOM
 
-    cfg = AppArgs(experiment={"serve": {"drafters": {"a": None}, "max_concurrent_requests": 3,
-                                        "max_queued_requests": 5, "retry_after_s": 2.5}}).load()
+    cfg = AppArgs(experiment={"serve": {"drafters": {"a": None}, "admission": {
+        "max_concurrent_requests": 3, "max_queued_requests": 5, "retry_after_s": 2.5}}}).load()
     ingress = application(cfg)._bound_deployment
     verifier = ingress.init_args[0]._bound_deployment
     assert (verifier.name, verifier.max_ongoing_requests, verifier.max_queued_requests) == ("Verifier", 3, 5)
@@ -72,4 +72,4 @@ def test_queue_limits_reach_the_deployments():
     assert ingress.max_ongoing_requests == ingress.max_queued_requests == 3 + 5 + INGRESS_HEADROOM
     for bad in ({"max_queued_requests": 0}, {"retry_after_s": 0}, {"retry_after_s": float("inf")}):
         with pytest.raises(ValueError):
-            AppArgs(experiment={"serve": {"drafters": {"a": None}, **bad}}).load()
+            AppArgs(experiment={"serve": {"drafters": {"a": None}, "admission": bad}}).load()

@@ -124,7 +124,7 @@ def target():
 def call(target, monkeypatch):
     """``call(path, body) -> (status, headers, body)`` against the ingress over the real verifier (drafter
     ``a``: an oracle drafter, in-process)."""
-    cfg = ServeConfig(drafters={"a": None}, draft_deadline_s=30)
+    cfg = ServeConfig(drafters={"a": None}, routing={"draft_deadline_s": 30})
     verifier = object.__new__(Verifier)
     verifier.target, verifier.cfg, verifier.tree = target, cfg, TREE
     verifier.clients = {"a": LocalClient([DraftSessions(target, oracle_drafter(target), TREE)])}

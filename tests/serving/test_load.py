@@ -33,8 +33,8 @@ def served(ray_session, embedded_target):
     """The application on a free port, and the in-process greedy reference for :data:`PROMPT`."""
     cfg = load_config(None, [
         'tree={"depth": 2, "top_k": 3, "total_tokens": 8}', "target.threads=1", "target.dtype=float32",
-        "serve.drafters={a: {seed: 0}}", "serve.draft_deadline_s=30", "serve.request_timeout_s=120",
-        f"serve.max_concurrent_requests={SLOTS}", f"serve.max_queued_requests={QUEUE}", "serve.retry_after_s=2",
+        "serve.drafters={a: {seed: 0}}", "serve.routing.draft_deadline_s=30", "serve.limits.request_timeout_s=120",
+        f"serve.admission.max_concurrent_requests={SLOTS}", f"serve.admission.max_queued_requests={QUEUE}", "serve.admission.retry_after_s=2",
     ])
     with served_app(cfg, APP, lambda: generate(embedded_target, [{"role": "user", "content": PROMPT}],
                                                max_new_tokens=NEW).text) as served:

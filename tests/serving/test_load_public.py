@@ -119,7 +119,7 @@ def test_guidellm_against_taps_serve(tmp_path):
     pytest.importorskip("guidellm")
     out = tmp_path / "load"
     cmd = [sys.executable, "benchmarks/load_public.py", "--rates", "0.5,8", "--requests", "4", "--max-tokens", "8",
-           "--prompts", "2", "--set", "serve.max_concurrent_requests=1", "--set", "serve.max_queued_requests=1",
+           "--prompts", "2", "--set", "serve.admission.max_concurrent_requests=1", "--set", "serve.admission.max_queued_requests=1",
            "--set", "serve.drafters={a: {seed: 0}}", "--set", "target.threads=1", "--set", "target.dtype=float32",
            "--require-429", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1100)

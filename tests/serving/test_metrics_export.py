@@ -30,8 +30,8 @@ Snapshot = dict[tuple[str, frozenset], float]
 def server(ray_session):
     cfg = load_config(None, [
         f"tree={json.dumps({'depth': 2, 'top_k': 4, 'total_tokens': 10, 'adaptive': False})}", "target.threads=1",
-        "target.dtype=float32", "serve.drafters={a: {seed: 0}}", "serve.draft_deadline_s=30",
-        "serve.request_timeout_s=300", "serve.ingress_replicas=2", "serve.metrics_names=vllm",
+        "target.dtype=float32", "serve.drafters={a: {seed: 0}}", "serve.routing.draft_deadline_s=30",
+        "serve.limits.request_timeout_s=300", "serve.ingress.num_replicas=2", "serve.http.metrics_names=vllm",
     ])
     with served_app(cfg, APP, lambda: None) as (url, _):
         yield url

@@ -224,7 +224,7 @@ def test_the_verifier_drafts_over_one_support_per_set_of_drafters(bigram, thirds
     sessions = {name: DraftSessions(bigram, d, TREE) for name, d in thirds.items()}
     verifier = object.__new__(Verifier)
     verifier.target, verifier.tree = bigram, TREE
-    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, draft_deadline_s=10.0)
+    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, routing={"draft_deadline_s": 10.0})
     verifier.clients = {name: CountingClient([s]) for name, s in sessions.items()}
     verifier.pool = ThreadPoolExecutor(1)
     verifier._init_counts()
@@ -291,7 +291,7 @@ def test_an_adaptive_verifier_sizes_trees_by_its_cost_model_and_stays_greedy(big
     tree = TREE.model_copy(update={"adaptive": True})
     verifier = object.__new__(Verifier)
     verifier.target, verifier.tree = bigram, tree
-    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, draft_deadline_s=10.0)
+    verifier.cfg = ServeConfig(drafters={n: None for n in thirds}, routing={"draft_deadline_s": 10.0})
     verifier.clients = {name: LocalClient([DraftSessions(bigram, d, tree)]) for name, d in thirds.items()}
     verifier.pool = ThreadPoolExecutor(1)
     verifier._init_counts()
@@ -430,10 +430,10 @@ def test_a_node_budget_cuts_each_tree_and_one_node_decodes_plainly_without_askin
 @pytest.mark.parametrize("active, expected", [(0, 32), (1, 32), (2, 16), (4, 8), (6, 5), (8, 4), (16, 4)])
 def test_the_verifier_shares_batch_max_tokens_among_the_requests_of_a_batch(active, expected):
     verifier = object.__new__(Verifier)
-    verifier.cfg = ServeConfig(drafters={"a": None}, batch_max_tokens=32, batch_max_requests=8, min_tree_nodes=4)
+    verifier.cfg = ServeConfig(drafters={"a": None}, batching={"max_tokens": 32, "max_requests": 8, "min_tree_nodes": 4})
     verifier.active = active
     assert verifier.node_budget() == expected
-    verifier.cfg = ServeConfig(drafters={"a": None}, batch_max_tokens=32, batch_max_requests=8, min_tree_nodes=5)
+    verifier.cfg = ServeConfig(drafters={"a": None}, batching={"max_tokens": 32, "max_requests": 8, "min_tree_nodes": 5})
     assert verifier.node_budget() == (1 if expected < 5 else expected), "below min_tree_nodes: a plain step"
 
 

@@ -48,7 +48,7 @@ def taps_serve(ray_session, tmp_path_factory):
     env.pop("TAPS_API_KEY", None)
     cmd = [sys.executable, "-m", "taps_ray.cli", "serve", "configs/demo.yaml", "--port", str(port),
            f"serve.app_name={APP}", "serve.drafters={a: {seed: 0}}", "serve.strategy=vanilla", "target.threads=1",
-           "target.dtype=float32", "serve.max_concurrent_requests=2", "serve.request_timeout_s=600"]
+           "target.dtype=float32", "serve.admission.max_concurrent_requests=2", "serve.limits.request_timeout_s=600"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
