@@ -39,7 +39,7 @@ from taps_ray.models.quant import HalfLinear
 from taps_ray.models.target import TargetCache, TargetModel, TargetOutput, layer_columns, union_layers
 from taps_ray.spec.cost import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
-from taps_ray.spec.tree import DraftCompute, draft_log_probs
+from taps_ray.spec.draft_compute import DraftCompute, draft_log_probs
 
 
 @dataclass
@@ -220,8 +220,8 @@ def draft_forward_batch(calls: list[DraftCall]) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def head_batch(calls: list[tuple[torch.Tensor | HalfLinear, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
-    """:func:`~taps_ray.spec.tree.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one product per
-    distinct head (rows of calls sharing a head stacked)."""
+    """:func:`~taps_ray.spec.draft_compute.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one
+    product per distinct head (rows of calls sharing a head stacked)."""
     out: list = [None] * len(calls)
     groups: dict[int, list[int]] = {}
     for i, (head, _) in enumerate(calls):
@@ -333,11 +333,11 @@ class ForwardBatcher(Batcher):
 
 
 class DraftBatcher(DraftCompute):
-    """A :class:`~taps_ray.spec.tree.DraftCompute` that runs the drafter forwards and LM-head products of
-    sessions drafting at once (each on its own thread) in batches: sessions of one drafter advance through
-    :func:`~taps_ray.spec.tree.draft_tree` in step, so each of its forwards and products is one batched call
-    (:func:`draft_forward_batch`, :func:`head_batch`); trees equal those drafted one session at a time.
-    ``expected``: the sessions drafting now."""
+    """A :class:`~taps_ray.spec.draft_compute.DraftCompute` that runs the drafter forwards and LM-head
+    products of sessions drafting at once (each on its own thread) in batches: sessions of one drafter
+    advance through :func:`~taps_ray.spec.tree.draft_tree` in step, so each of its forwards and products is
+    one batched call (:func:`draft_forward_batch`, :func:`head_batch`); trees equal those drafted one
+    session at a time. ``expected``: the sessions drafting now."""
 
     def __init__(self, max_batch: int = 8, wait_s: float = 0.002, expected: Callable[[], int] | None = None):
         self.forwards = Batcher(self._forwards, max_batch, wait_s, expected)

@@ -31,8 +31,9 @@ from taps_ray.spec.batch import (
     head_batch,
 )
 from taps_ray.spec.decoder import generate
+from taps_ray.spec.draft_compute import draft_log_probs
 from taps_ray.spec.protocol import SingleStrategy
-from taps_ray.spec.tree import DrafterState, build_tree, draft_log_probs, draft_tree
+from taps_ray.spec.tree import DrafterState, build_tree, draft_tree
 from taps_ray.spec.verify import tree_attention
 from tests.serving.helpers import same_tree
 from tests.spec.spec_helpers import (
