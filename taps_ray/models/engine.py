@@ -147,8 +147,7 @@ class Linear:
     """``x [T, in] -> x @ weight.T + bias``; on CPU, through oneDNN with the weight prepacked once.
 
     oneDNN's prepacked float32 inner product runs every row count a decode step has (1 to 64) faster than
-    MKL's sgemm on the plain layout on the CPUs measured (docs/BENCHMARKS.md, "Engine": 22 vs 31 ms for
-    the embedded target's layers at one row, 44 vs 65 ms at sixteen). The packed copy is made again when
+    MKL's sgemm on the plain layout on the CPUs measured (docs/BENCHMARKS.md, "Engine"). The packed copy is made again when
     the weight is replaced or changed in place (its ``_version``), so it never goes stale. It costs a
     second copy of the weights in memory; where oneDNN cannot pack (no mkldnn build, a half dtype
     without the CPU support it needs) the product is ``F.linear``.
@@ -171,7 +170,7 @@ class Linear:
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`Linear` prepacks for oneDNN here: a CPU with torch's mkldnn, in float32, or in bfloat16
-    where oneDNN has native bf16 (1.3-1.9x ``F.linear`` at 1-16 rows on AVX-512 bf16, docs/BENCHMARKS.md)."""
+    where oneDNN has native bf16 (faster than ``F.linear`` there at every decode row count, docs/BENCHMARKS.md)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -1,7 +1,7 @@
 """Admission to the verifiers, per ingress replica: at most every verifier slot plus
 ``serve.admission.max_queued_requests`` requests pass at once (:class:`Admission`), the rest are answered 429 by
 the ingress. The count is exact; Serve's own queue bound on the ingress's handle counts loosely
-under a burst (a CI run saw 27 queued against a bound of 18) and stays behind it as a second line.
+under a burst (it can let more through than its bound) and stays behind it as a second line.
 A streamed answer holds its admission until it ends, however it ends (:class:`VerifierStream`)."""
 
 from __future__ import annotations
