@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from taps_ray.config import load_config
-    from taps_ray.models.target import TargetModel, crop_cache
+    from taps_ray.models.target import TargetModel
+    from taps_ray.models.target_cache import crop_cache
     from taps_ray.spec.batch import ForwardCall, forward_batch
 
     torch.set_num_threads(args.threads)

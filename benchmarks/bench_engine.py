@@ -35,7 +35,8 @@ from taps_ray.models.quant import (
     int4_unsupported,
     quantize_rtn,
 )
-from taps_ray.models.target import TargetModel, crop_cache
+from taps_ray.models.target import TargetModel
+from taps_ray.models.target_cache import crop_cache
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from taps_ray.models.target import TargetModel, resolve_device_dtype
+from taps_ray.models.target import TargetModel
+from taps_ray.models.target_loading import resolve_device_dtype
 from taps_ray.spec.cost import measure
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import DecodeState

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from taps_ray import artifacts
-from taps_ray.models.target import EMBEDDED_PREFIX, TargetModel, embedded_name
+from taps_ray.models.target import TargetModel
+from taps_ray.models.target_loading import EMBEDDED_PREFIX, embedded_name
 
 PEERS = ("llamacpp",)
 

@@ -218,7 +218,7 @@ def auto_weights(device: torch.device, dtype: torch.dtype, dtype_requested: str 
     """``target.weights: auto``, where each format was measured faster than dense (docs/BENCHMARKS.md): int4 on a
     CPU with native bf16 running bfloat16; fp16 on a CPU running float32 because ``target.dtype`` was ``auto``
     (an explicit ``float32`` keeps dense float32 weights, the bitwise reference); dense everywhere else."""
-    from taps_ray.models.target import cpu_native_bf16
+    from taps_ray.models.target_loading import cpu_native_bf16
 
     if int4_unsupported(device, dtype) is None and cpu_native_bf16():
         return "int4"

@@ -10,41 +10,33 @@ import hashlib
 import inspect
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import overload
 
 import torch
-from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from taps_ray import artifacts
 from taps_ray.config import TargetConfig
 from taps_ray.models.attention import use_gqa_sdpa
 from taps_ray.models.engine import KVCache, Segment, StaticEngine, static_support
-from taps_ray.models.quant import (
-    WEIGHT_FORMATS,
-    Int4Weight,
-    auto_weights,
-    read_gguf_q4_1,
-    weights_unsupported,
+from taps_ray.models.quant import Int4Weight, read_gguf_q4_1
+from taps_ray.models.target_cache import TargetCache
+from taps_ray.models.target_loading import (
+    EMBEDDED_PREFIX,
+    TargetLoadError,
+    dtype_reason,
+    embedded_hf_folder,
+    embedded_name,
+    load_hf_model,
+    resolve_device_dtype,
+    resolve_weights,
 )
-from taps_ray.runstate import write_json
-
-TargetCache = KVCache | DynamicCache
-"""A target request's KV cache: the static engine's preallocated one, or transformers' dynamic one."""
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_PREFIX = "embedded:"
-
-
-class TargetLoadError(RuntimeError):
-    """The target model could not be loaded; the message names the source."""
 
 
 @dataclass(frozen=True)
@@ -109,47 +101,6 @@ def layer_columns(have: tuple[int, ...], want: tuple[int, ...], hidden_size: int
     return (starts[:, None] + torch.arange(hidden_size)).reshape(-1)
 
 
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_native_bf16() -> str | None:
-    """The CPU flag that gives this machine native bfloat16 matmuls (``avx512_bf16``/``amx_bf16``), or None.
-
-    Read from ``/proc/cpuinfo`` (Linux); elsewhere None, so ``auto`` stays float32.
-    """
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return None
-    return next((flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags), None)
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """``auto`` device: cuda when a GPU is visible, else cpu. ``auto`` dtype: bfloat16 on cuda and on a CPU
-    with native bf16 (:func:`cpu_native_bf16`; 1.5x fp32 decode speed there, docs/BENCHMARKS.md), else float32."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TargetLoadError(f"device {device!r} requested but CUDA is not available; use device=cpu or auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" or (dev.type == "cpu" and cpu_native_bf16()) else "float32"
-    return dev, getattr(torch, dtype)
-
-
-def dtype_reason(device: torch.device, dtype: torch.dtype, requested: str) -> str:
-    """One line saying which dtype ``requested`` resolved to on ``device`` and why."""
-    name = str(dtype).removeprefix("torch.")
-    if requested != "auto":
-        return f"{name} (set in the config)"
-    if device.type == "cuda":
-        return f"{name} (auto: CUDA)"
-    flag = cpu_native_bf16()
-    if flag:
-        return f"{name} (auto: this CPU has native bf16, {flag}; target.dtype=float32 for fp32)"
-    return f"{name} (auto: this CPU has no native bf16; target.dtype=bfloat16 to force it)"
-
-
 def embed_hash(weight: torch.Tensor) -> str:
     """sha256 of 64 rows of the embedding ``weight`` [V, H] rounded to bfloat16: the same for fp32 and bf16 loads
     of one checkpoint (the fingerprint's ``embed_hash``)."""
@@ -157,101 +108,6 @@ def embed_hash(weight: torch.Tensor) -> str:
     rows = torch.linspace(0, weight.shape[0] - 1, steps=min(64, weight.shape[0])).long().to(weight.device)
     sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
-
-
-def embedded_name(source: str) -> str:
-    """``NAME`` of an ``embedded:NAME`` target; :class:`TargetLoadError` unless the package embeds it."""
-    key = source[len(EMBEDDED_PREFIX):]
-    if key not in artifacts.EMBEDDED or not key.startswith("smollm2"):
-        raise TargetLoadError(f"unknown embedded target {source!r}; valid: embedded:smollm2-135m")
-    return key
-
-
-DEQUANTISED_RECORD = ".manifest.json"
-
-
-def _embedded_hf_folder(name: str) -> Path:
-    """The embedded GGUF dequantised into a plain HF folder in the cache (``models/<name>``), built once.
-
-    The record beside it (``models/<name>.manifest.json``, written atomically after the folder) holds the
-    GGUF's pinned sha256 and each file's size and sha256; every call re-hashes the folder against it
-    (:func:`~taps_ray.artifacts.folder_problem`: ~0.5 s for the 540 MB folder on a loaded 2-core
-    machine) and rebuilds the folder from the verified GGUF, with a warning naming what differed, when
-    a file is missing, extra, resized or changed, or the record is missing or names another GGUF."""
-    pinned = artifacts.EMBEDDED[name]
-    gguf_path = artifacts.fetch(name)
-    folder = artifacts.cache_dir() / "models" / name
-    record = folder.with_name(folder.name + DEQUANTISED_RECORD)
-    with FileLock(str(folder) + ".lock"):
-        if not folder.exists():
-            log.info("converting %s to an HF folder at %s (once)", gguf_path.name, folder)
-        elif (problem := _dequantised_problem(folder, record, pinned.sha256)) is None:
-            return folder
-        else:
-            log.warning("cached dequantised %s: %s; rebuilding it from the verified %s", name, problem,
-                        gguf_path.name)
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        _dequantise(gguf_path, partial, name)
-        files = artifacts.folder_record(partial)
-        record.unlink(missing_ok=True)
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(partial, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        write_json(record, {"gguf": pinned.label, "gguf_sha256": pinned.sha256, "files": files})
-    return folder
-
-
-def _dequantised_problem(folder: Path, record: Path, gguf_sha256: str) -> str | None:
-    """Why the dequantised ``folder`` does not match its ``record`` of the GGUF ``gguf_sha256``, or None."""
-    try:
-        saved = json.loads(record.read_text())
-    except FileNotFoundError:
-        return f"{record} (its record of the files) is missing"
-    except (OSError, ValueError) as err:
-        return f"{record} is unreadable ({err})"
-    if saved.get("gguf_sha256") != gguf_sha256:
-        return f"it was dequantised from a GGUF of sha256 {saved.get('gguf_sha256')}, not {gguf_sha256}"
-    files = saved.get("files")
-    if not isinstance(files, dict) or not {"config.json", "model.safetensors"} <= set(files):
-        return f"{record} names no model files"
-    return artifacts.folder_problem(folder, files)
-
-
-def _dequantise(gguf_path: Path, into: Path, name: str) -> None:
-    """Save the GGUF at ``gguf_path`` as a float32 HF folder (model and tokenizer) at ``into``."""
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        delattr(model.config, "quantization_config")
-    model.config.name_or_path = name
-    model.save_pretrained(into)
-    tokenizer.save_pretrained(into)
-
-
-def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
-    if source.endswith(".gguf"):
-        path = Path(source)
-        if not path.is_file():
-            raise TargetLoadError(f"GGUF file {source!r} does not exist")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        model.hf_quantizer = None
-        return model, tok
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as err:
-        raise TargetLoadError(
-            f"cannot load target {source!r}: not a local HF folder and not reachable on the hub ({err}). "
-            f"Offline, use model: embedded:smollm2-135m"
-        ) from err
-    return model, tok
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -349,12 +205,12 @@ class TargetModel:
         source = cfg.model
         gguf = None
         if source.startswith(EMBEDDED_PREFIX):
-            folder = _embedded_hf_folder(embedded_name(source))
+            folder = embedded_hf_folder(embedded_name(source))
             gguf = artifacts.fetch(embedded_name(source))
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
         else:
-            model, tokenizer = _load_hf(source.removeprefix("hf:"), dtype)
+            model, tokenizer = load_hf_model(source.removeprefix("hf:"), dtype)
             gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
@@ -387,7 +243,8 @@ class TargetModel:
         """An empty cache: a preallocated :class:`KVCache` of ``capacity`` entries (it grows when needed)
         when the static engine runs this target, else a :class:`DynamicCache` of full-history layers.
         Either keeps sliding-window layers' whole history (their window is applied by the attention
-        mask), so that :func:`crop_cache` and :func:`compact_cache` stay exact."""
+        mask), so that :func:`~taps_ray.models.target_cache.crop_cache` and
+        :func:`~taps_ray.models.target_cache.compact_cache` stay exact."""
         if self.engine is not None:
             return self.engine.new_cache(capacity)
         return DynamicCache()
@@ -591,20 +448,6 @@ class TargetModel:
                 "weights": self.weights, "layers": self.config.num_hidden_layers, "max_context": self.max_context}
 
 
-def resolve_weights(requested: str, device: torch.device, dtype: torch.dtype, name: str, dtype_requested: str = "auto") -> str:
-    """``target.weights`` resolved: ``auto`` by :func:`~taps_ray.models.quant.auto_weights` (``dtype_requested``:
-    ``target.dtype`` as given); int4 or fp16 where its kernel cannot run here is a :class:`TargetLoadError`
-    naming why."""
-    if requested not in WEIGHT_FORMATS:
-        raise TargetLoadError(f"target.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {requested!r}")
-    if requested == "auto":
-        return auto_weights(device, dtype, dtype_requested)
-    reason = weights_unsupported(requested, device, dtype)
-    if reason:
-        raise TargetLoadError(f"target {name!r}: {reason}")
-    return requested
-
-
 def _engine(model: PreTrainedModel, windows: list[int | None], name: str, requested: str, weights: str = "dense",
             gguf: Path | None = None, weights_required: bool = False) -> StaticEngine | None:
     """The static engine for ``model`` when ``requested`` allows it (auto: where the family supports it;
@@ -631,54 +474,6 @@ def _engine(model: PreTrainedModel, windows: list[int | None], name: str, reques
         raise TargetLoadError(f"target {name!r}: target.engine=static, but {reason}; use engine auto or hf")
     log.info("target %s runs transformers' forward: %s", name, reason)
     return None
-
-
-def _full_history_layers(cache: DynamicCache) -> None:
-    """ValueError naming the first layer that is not a plain :class:`DynamicLayer` (a sliding-window layer
-    drops entries and counts positions apart from its buffer, so slicing its keys/values is wrong)."""
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"cache layer {i} is a {type(layer).__name__}; crop/compact need full-history "
-                             f"DynamicLayer layers (TargetModel.new_cache, DynamicCache() without a config)")
-
-
-@torch.inference_mode()
-def crop_cache(cache: TargetCache, length: int) -> None:
-    """Drop every cache entry at position >= ``length`` (in place); full-history layers only."""
-    if isinstance(cache, KVCache):
-        cache.crop(length)
-        return
-    _full_history_layers(cache)
-    for layer in cache.layers:
-        if layer.is_initialized and layer.keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
-@torch.inference_mode()
-def compact_cache(cache: TargetCache, prefix_len: int, keep: torch.Tensor) -> None:
-    """Keep the prefix plus the entries at ``prefix_len + keep`` (``keep`` [k], ascending), in place.
-
-    Used after tree verification: the tree's N entries sit after the prefix; only the accepted
-    path's k entries stay, moved to positions ``prefix_len .. prefix_len + k - 1``. Full-history
-    layers only (ValueError otherwise).
-    """
-    if isinstance(cache, KVCache):
-        cache.compact(prefix_len, keep)
-        return
-    _full_history_layers(cache)
-    k = keep.numel()
-    index = keep.to(torch.long) + prefix_len
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue
-        kept_k = layer.keys.index_select(-2, index.to(layer.keys.device))
-        kept_v = layer.values.index_select(-2, index.to(layer.values.device))
-        keys = layer.keys[..., : prefix_len + k, :]
-        values = layer.values[..., : prefix_len + k, :]
-        keys[..., prefix_len:, :] = kept_k
-        values[..., prefix_len:, :] = kept_v
-        layer.keys, layer.values = keys, values
 
 
 def save_fingerprint(path: Path, fingerprint: TargetFingerprint) -> None:

@@ -28,14 +28,12 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from taps_ray.config import TargetConfig
-from taps_ray.models.target import (
+from taps_ray.models.target import TargetFingerprint, TargetModel, embed_hash
+from taps_ray.models.target_loading import (
     EMBEDDED_PREFIX,
-    TargetFingerprint,
     TargetLoadError,
-    TargetModel,
-    _embedded_hf_folder,
     dtype_reason,
-    embed_hash,
+    embedded_hf_folder,
     embedded_name,
     resolve_device_dtype,
     resolve_weights,
@@ -183,7 +181,7 @@ def load_target_head(cfg: TargetConfig | None = None) -> TargetHead:
     start = time.perf_counter()
     source = cfg.model
     if source.startswith(EMBEDDED_PREFIX):
-        where: str | Path = _embedded_hf_folder(embedded_name(source))
+        where: str | Path = embedded_hf_folder(embedded_name(source))
         get = _folder_file(where)
     elif source.endswith(".gguf"):
         return _full_model_head(cfg, "a GGUF file has no per-tensor safetensors index")

@@ -36,7 +36,8 @@ from transformers import DynamicCache
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache, Segment
 from taps_ray.models.quant import HalfLinear
-from taps_ray.models.target import TargetCache, TargetModel, TargetOutput, layer_columns, union_layers
+from taps_ray.models.target import TargetModel, TargetOutput, layer_columns, union_layers
+from taps_ray.models.target_cache import TargetCache
 from taps_ray.spec.cost import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.draft_compute import DraftCompute, draft_log_probs

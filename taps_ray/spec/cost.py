@@ -141,7 +141,7 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostMode
     """Time one verification forward of each size in ``nodes`` (a chain tree, logits included) after a
     ``prefix``-token cache: after one warm-up round, ``repeats`` rounds over every size (so that a neighbour's
     burst slows every size alike rather than one), the fastest of each size, made non-decreasing in n."""
-    from taps_ray.models.target import crop_cache
+    from taps_ray.models.target_cache import crop_cache
     from taps_ray.spec.verify import run_tree
 
     start = time.perf_counter()

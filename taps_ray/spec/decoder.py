@@ -24,7 +24,8 @@ import torch
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.drafter_sources import random_drafter_seed
 from taps_ray.models.drafter import DraftHead
-from taps_ray.models.target import TargetCache, TargetModel
+from taps_ray.models.target import TargetModel
+from taps_ray.models.target_cache import TargetCache
 from taps_ray.spec import stats
 from taps_ray.spec.cost import BatchLoad, Others, TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs

@@ -21,7 +21,8 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.quant import HalfLinear, read_linears_in_half
-from taps_ray.models.target import TargetModel, crop_cache, layer_columns
+from taps_ray.models.target import TargetModel, layer_columns
+from taps_ray.models.target_cache import crop_cache
 from taps_ray.spec.draft_compute import DIRECT, DraftCompute, draft_head_rows
 
 

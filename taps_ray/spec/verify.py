@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from taps_ray.models.target import TargetCache, TargetModel, TargetOutput, compact_cache
+from taps_ray.models.target import TargetModel, TargetOutput
+from taps_ray.models.target_cache import TargetCache, compact_cache
 from taps_ray.spec.tree import DraftTree
 
 

@@ -82,9 +82,9 @@ def test_int4_runs_where_its_kernel_pays_and_says_why_elsewhere(monkeypatch):
     assert int4_unsupported(torch.device("cpu"), torch.bfloat16) is None
     assert "bfloat16 activations" in int4_unsupported(torch.device("cpu"), torch.float32)
     assert "CPU kernel only" in int4_unsupported(torch.device("cuda"), torch.bfloat16)
-    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: None)
+    monkeypatch.setattr("taps_ray.models.target_loading.cpu_native_bf16", lambda: None)
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "dense"
-    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: "avx512_bf16")
+    monkeypatch.setattr("taps_ray.models.target_loading.cpu_native_bf16", lambda: "avx512_bf16")
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "int4"
     assert auto_weights(torch.device("cpu"), torch.float32, "float32") == "dense"
 
@@ -161,7 +161,7 @@ def test_fp16_runs_where_fbgemm_does_and_auto_picks_it_only_from_dtype_auto(monk
     assert "float32 activations" in fp16_unsupported(torch.device("cpu"), torch.bfloat16)
     with pytest.raises(TargetLoadError, match="float32 activations"):
         TargetModel.load(TargetConfig(dtype="bfloat16", weights="fp16"))
-    monkeypatch.setattr("taps_ray.models.target.cpu_native_bf16", lambda: None)
+    monkeypatch.setattr("taps_ray.models.target_loading.cpu_native_bf16", lambda: None)
     monkeypatch.setattr("taps_ray.models.quant.fp16_unsupported", lambda device, dtype: None)
     assert auto_weights(torch.device("cpu"), torch.float32, "auto") == "fp16"
     assert auto_weights(torch.device("cpu"), torch.float32, "float32") == "dense"

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from taps_ray.config import TargetConfig
-from taps_ray.models.target import TargetLoadError, TargetModel, compact_cache, crop_cache
+from taps_ray.models.target import TargetLoadError, TargetModel
+from taps_ray.models.target_cache import compact_cache, crop_cache
 from tests.conftest import make_tiny_target
 
 
@@ -39,7 +40,7 @@ def test_fingerprint_does_not_depend_on_dtype(embedded_target):
 
 
 def test_auto_dtype_follows_native_bf16(monkeypatch):
-    from taps_ray.models import target as target_module
+    from taps_ray.models import target_loading as target_module
 
     monkeypatch.setattr(target_module, "cpu_native_bf16", lambda: "avx512_bf16")
     assert target_module.resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.bfloat16)
@@ -151,7 +152,7 @@ def test_the_cached_dequantised_model_is_rehashed_on_every_load_and_rebuilt_when
     import logging
 
     from taps_ray import artifacts
-    from taps_ray.models import target as target_module
+    from taps_ray.models import target_loading as target_module
 
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     gguf = tmp_path / "model.gguf"
@@ -167,12 +168,12 @@ def test_the_cached_dequantised_model_is_rehashed_on_every_load_and_rebuilt_when
         (into / "tokenizer.json").write_text("{}")
 
     monkeypatch.setattr(target_module, "_dequantise", dequantise)
-    folder = target_module._embedded_hf_folder("smollm2-135m")
+    folder = target_module.embedded_hf_folder("smollm2-135m")
     record = folder.with_name("smollm2-135m.manifest.json")
     model = folder / "model.safetensors"
     good = model.read_bytes()
     assert builds == ["smollm2-135m"] and json.loads(record.read_text())["files"]["model.safetensors"]["size"] == len(good)
-    assert target_module._embedded_hf_folder("smollm2-135m") == folder and len(builds) == 1
+    assert target_module.embedded_hf_folder("smollm2-135m") == folder and len(builds) == 1
 
     def tamper_byte():
         model.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
@@ -189,10 +190,10 @@ def test_the_cached_dequantised_model_is_rehashed_on_every_load_and_rebuilt_when
         damage()
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=target_module.__name__):
-            assert target_module._embedded_hf_folder("smollm2-135m") == folder
+            assert target_module.embedded_hf_folder("smollm2-135m") == folder
         assert len(builds) == number and reason in caplog.text and "rebuilding it from the verified" in caplog.text
         assert model.read_bytes() == good and sorted(p.name for p in folder.iterdir()) == [
             "config.json", "model.safetensors", "tokenizer.json"]
-        assert target_module._embedded_hf_folder("smollm2-135m") == folder and len(builds) == number
+        assert target_module.embedded_hf_folder("smollm2-135m") == folder and len(builds) == number
     assert sorted(p.name for p in folder.parent.iterdir()) == [
         "smollm2-135m", "smollm2-135m.lock", "smollm2-135m.manifest.json"]

@@ -35,7 +35,8 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.attention import GQA_SDPA
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache
-from taps_ray.models.target import TargetLoadError, TargetModel, compact_cache, crop_cache
+from taps_ray.models.target import TargetLoadError, TargetModel
+from taps_ray.models.target_cache import compact_cache, crop_cache
 from taps_ray.spec.decoder import generate
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.tree import DrafterState, build_tree, draft_tree

@@ -111,9 +111,9 @@ def embedded_tokenizer():
     """The embedded target's tokenizer (byte-level BPE: a multi-byte character can span tokens) without its model."""
     from transformers import AutoTokenizer
 
-    from taps_ray.models.target import _embedded_hf_folder
+    from taps_ray.models.target_loading import embedded_hf_folder
 
-    return AutoTokenizer.from_pretrained(str(_embedded_hf_folder("smollm2-135m")))
+    return AutoTokenizer.from_pretrained(str(embedded_hf_folder("smollm2-135m")))
 
 
 @pytest.fixture(scope="module")
