@@ -38,7 +38,7 @@ from taps_ray.models.engine import KVCache, Segment
 from taps_ray.models.quant import HalfLinear
 from taps_ray.models.target import TargetModel, TargetOutput, layer_columns, union_layers
 from taps_ray.models.target_cache import TargetCache
-from taps_ray.spec.cost import BatchLoad
+from taps_ray.spec.batch_load import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
 from taps_ray.spec.draft_compute import DraftCompute, draft_log_probs
 
@@ -310,7 +310,8 @@ class Batcher:
 
 class ForwardBatcher(Batcher):
     """A :class:`Batcher` of target forwards (:func:`forward_batch`); ``load``: the
-    :class:`~taps_ray.spec.cost.BatchLoad` of its requests, which holds each forward's rows and seconds."""
+    :class:`~taps_ray.spec.batch_load.BatchLoad` of its requests, which holds each forward's rows and
+    seconds."""
 
     def __init__(self, target: TargetModel, max_batch: int = 8, wait_s: float = 0.002,
                  expected: Callable[[], int] | None = None):

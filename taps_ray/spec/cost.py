@@ -17,14 +17,15 @@ than when it was measured does not misjudge drafting's own seconds against it. T
 tokens are proposed, never which are accepted.
 
 In a batch (several requests verified by one forward, :mod:`taps_ray.spec.batch`) the forward's time is
-shared, and it waits for every request's drafting: :class:`BatchLoad` holds each request's last rows,
-appended tokens and drafting seconds. The ``N - 1`` other requests that share this request's budget (its
-peers) decide alike, so they are counted as doing what it does; the rest, with ``R`` rows expected to append
-``S`` tokens after ``D`` seconds of drafting, as they did. A request keeps the n that maximises the batch's
-tokens per second ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` -- a busy verifier drafts less,
-and a batch of requests sharing a budget drafts only when drafting for all of them beats decoding all of them
-plainly (N = 1, R = S = D = 0 alone). While drafting does not pay, the probes that check it again back off
-(their interval doubles after each probe that still does not pay, up to ``8 * probe_every``).
+shared, and it waits for every request's drafting: :class:`~taps_ray.spec.batch_load.BatchLoad` holds each
+request's last rows, appended tokens and drafting seconds. The ``N - 1`` other requests that share this
+request's budget (its peers) decide alike, so they are counted as doing what it does; the rest, with ``R``
+rows expected to append ``S`` tokens after ``D`` seconds of drafting, as they did. A request keeps the n that
+maximises the batch's tokens per second ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` -- a busy
+verifier drafts less, and a batch of requests sharing a budget drafts only when drafting for all of them beats
+decoding all of them plainly (N = 1, R = S = D = 0 alone). While drafting does not pay, the probes that check
+it again back off (their interval doubles after each probe that still does not pay, up to
+``8 * probe_every``).
 
 Depth is chosen the same way, before drafting (:meth:`TreeBudget.depth`): every drafted step tells, in
 hindsight, what a shallower tree would have appended and verified (an accepted path keeps its nodes down to
@@ -44,10 +45,10 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from taps_ray.spec.batch_load import Others
 from taps_ray.spec.tree import DraftTree, build_tree
 
 GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -208,50 +209,6 @@ def _cost_model(target, refresh: bool) -> CostModel:
         os.replace(partial, path)
     target.__dict__["_cost_model"] = model
     return model
-
-
-class Others(NamedTuple):
-    """The other requests of a batch, as this request's step sees them: ``peers``, how many share its budget
-    (they decide alike); the rest's ``rows`` in the forward, the ``tokens`` they are expected to append and the
-    ``draft_s`` seconds of drafting the forward waits for."""
-
-    rows: int = 0
-    tokens: int = 0
-    draft_s: float = 0.0
-    peers: int = 0
-
-
-class BatchLoad:
-    """The rows, appended tokens and drafting seconds of each request's last step in one shared verifier
-    (thread-safe):
-    what the other requests of a batch add to a forward (see the module docstring); and the rows and
-    seconds of the verifier's last forward itself (``last_forward``: what a request waiting in the batch
-    for the others' drafting would not tell)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._last: dict[int, tuple[Others, int | None]] = {}
-        self.last_forward: tuple[int, float] | None = None
-
-    def forward(self, rows: int, seconds: float) -> None:
-        self.last_forward = (rows, seconds)
-
-    def note(self, key: int, rows: int, tokens: int, draft_s: float = 0.0, group: int | None = None) -> None:
-        """Request ``key``'s last step; ``group``: the id of the budget it decides with (None: none)."""
-        with self._lock:
-            self._last[key] = (Others(rows, tokens, draft_s), group)
-
-    def drop(self, key: int) -> None:
-        with self._lock:
-            self._last.pop(key, None)
-
-    def others(self, key: int, group: int | None = None) -> Others:
-        """Every request but ``key`` at its last step: how many are in ``group``, the sums over the rest."""
-        with self._lock:
-            last = [(v, g) for k, (v, g) in self._last.items() if k != key]
-        rest = [v for v, g in last if group is None or g != group]
-        return Others(sum(v.rows for v in rest), sum(v.tokens for v in rest), sum(v.draft_s for v in rest),
-                      len(last) - len(rest))
 
 
 SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

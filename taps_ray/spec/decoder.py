@@ -27,7 +27,8 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_cache import TargetCache
 from taps_ray.spec import stats
-from taps_ray.spec.cost import BatchLoad, Others, TreeBudget
+from taps_ray.spec.batch_load import BatchLoad, Others
+from taps_ray.spec.cost import TreeBudget
 from taps_ray.spec.logprobs import TokenLogprobs, check_top, token_logprobs
 from taps_ray.spec.protocol import DecodeState, SingleStrategy, Strategy, VanillaStrategy
 from taps_ray.spec.stats import StepRecord

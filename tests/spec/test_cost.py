@@ -9,6 +9,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.spec import cost as cost_module
+from taps_ray.spec.batch_load import BatchLoad, Others
 from taps_ray.spec.compose import build_strategy
 from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, fingerprint
 from taps_ray.spec.decoder import generate
@@ -257,7 +258,7 @@ def test_a_new_request_beside_peers_keeps_the_probes_backing_off():
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
     assert [i for i in range(50) if budget.should_draft()] == [2, 8, 20, 44]
     budget.bind(object())
-    peers = cost_module.Others(peers=1)
+    peers = Others(peers=1)
     assert not any(budget.should_draft(peers) for _ in range(9)), "the gap stays at 24 steps (48 calls of 2)"
 
 
@@ -334,11 +335,11 @@ def test_requests_sharing_a_budget_draft_only_when_drafting_for_all_of_them_pays
     model = CostModel([1, 2, 4, 8, 16, 32, 64, 128], [0.04, 0.04, 0.04, 0.045, 0.05, 0.07, 0.1, 0.15], prefix=64)
     budget = TreeBudget(model, probe_every=2)
     budget.observe(_tree([-0.1] * 7), torch.tensor([0, 1, 2]), draft_s=0.010, verify_s=0.045)
-    assert budget.pays() and budget.pays(cost_module.Others(peers=1))
-    peers = cost_module.Others(peers=15)
+    assert budget.pays() and budget.pays(Others(peers=1))
+    peers = Others(peers=15)
     assert not budget.pays(peers)
     assert [i for i in range(40) if budget.should_draft(peers)] == [31], "a probe every 2 steps of each of 16"
-    load = cost_module.BatchLoad()
+    load = BatchLoad()
     load.note(1, 8, 3, 0.02, group=7)
     load.note(2, 1, 1, 0.0, group=7)
     load.note(3, 9, 4, 0.03, group=None)
