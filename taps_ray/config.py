@@ -4,10 +4,8 @@ Every section is a pydantic model with ``extra="forbid"``: an unknown key or a b
 :class:`ConfigError` naming the dotted key, the value and what is allowed. Configs load from
 YAML and take dotted overrides (``data.features.max_len=512``) whose values are parsed as YAML.
 Every field carries a one-line ``description``: ``taps config-help`` prints them with each dotted
-key, type and default, and docs/CONFIG.md is that command's output. The module is over 500 lines
-because it is the whole experiment schema, one model per section with a description per field, kept
-in one place so that it reads as one reference; reading files and overrides is
-:mod:`taps_ray.config_loading`.
+key, type and default, and docs/CONFIG.md is that command's output. The ``serve`` section is
+:mod:`taps_ray.config_serve`; reading files and overrides is :mod:`taps_ray.config_loading`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -43,11 +42,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from taps_ray.config import SamplingConfig, ServeConfig
 from taps_ray.runtime import ray_compat
-from taps_ray.serving import access, errors, protocol
+from taps_ray.serving import access, errors, protocol, status
 from taps_ray.serving import metrics as serving_metrics
 from taps_ray.serving.admission import Admission, VerifierStream, cancel_call
 from taps_ray.serving.metrics import ServingMetrics
-from taps_ray.serving.plan import VERIFIER_DEPLOYMENT, DecodeRequest, drafter_deployment_name, resolve_plan
+from taps_ray.serving.plan import DecodeRequest, drafter_deployment_name, resolve_plan
 from taps_ray.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -116,42 +115,8 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     return JSONResponse(error_body(message, param=param), status_code=400)
 
 
-def public_checkpoint(checkpoint: str | None) -> str | None:
-    """What ``/v1/models`` shows of a drafter's checkpoint: ``release:NAME`` as is, None (untrained) as
-    None, any folder as ``"local"`` (no filesystem paths)."""
-    if checkpoint is None or checkpoint.startswith("release:"):
-        return checkpoint
-    return "local"
-
-
-def version_counts(stats: list[dict]) -> dict[int, int]:
-    """Drafter version -> replicas serving it, from a deployment's replicas' ``stats``."""
-    return dict(Counter(replica["version"] for replica in stats))
-
-
-def served_versions(stats: list[dict]) -> dict:
-    """What ``/v1/models`` shows of the drafter a deployment's replicas serve (their ``stats``):
-    ``version`` and ``checkpoint`` of most replicas, and ``replicas`` per version."""
-    counts = version_counts(stats)
-    if not counts:
-        return {"version": None, "replicas": {}}
-    version = max(counts, key=lambda v: (counts[v], v))
-    checkpoint = next(r["spec"].get("checkpoint") for r in stats if r["version"] == version)
-    return {"version": version, "checkpoint": public_checkpoint(checkpoint),
-            "replicas": {str(v): n for v, n in sorted(counts.items())}}
-
-
 def sse_line(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def readiness(running: dict[str, int], drafters: list[str]) -> dict:
-    """The ``/ready`` report from running replicas per deployment: ``ready`` (verifier and every drafter
-    up), ``degraded`` (the verifier up, a drafter down) or ``not_ready`` (no verifier replica)."""
-    verifier = running.get(VERIFIER_DEPLOYMENT, 0) > 0
-    up = {name: "up" if running.get(drafter_deployment_name(name), 0) > 0 else "down" for name in drafters}
-    status = "not_ready" if not verifier else "ready" if all(v == "up" for v in up.values()) else "degraded"
-    return {"status": status, "verifier": "up" if verifier else "down", "drafters": up}
 
 
 def per_key_limit(cfg: ServeConfig, keys: int, capacity: int) -> int | None:
@@ -161,33 +126,6 @@ def per_key_limit(cfg: ServeConfig, keys: int, capacity: int) -> int | None:
     if cfg.admission.max_requests_per_key is not None:
         return cfg.admission.max_requests_per_key
     return max(1, capacity - 1) if keys > 1 else None
-
-
-class SharedFill:
-    """A value reused for ``ttl`` seconds, then filled again with one fill in flight: requests that arrive
-    while it is being filled await that fill instead of starting their own (a burst of ``/ready``,
-    ``/v1/models`` or ``/metrics`` calls asks the controller and the drafters once)."""
-
-    def __init__(self, ttl: float):
-        self.ttl = ttl
-        self._value: tuple[float, object] | None = None
-        self._filling: asyncio.Future | None = None
-
-    async def get(self, fill):
-        """The value, from ``fill()`` (a coroutine function) when it is older than ``ttl`` or missing."""
-        if self._value is not None and time.monotonic() - self._value[0] <= self.ttl:
-            return self._value[1]
-        if self._filling is None:
-            self._filling = asyncio.ensure_future(self._fill(fill))
-        return await asyncio.shield(self._filling)
-
-    async def _fill(self, fill):
-        try:
-            value = await fill()
-            self._value = (time.monotonic(), value)
-            return value
-        finally:
-            self._filling = None
 
 
 def served_host() -> str | None:
@@ -218,8 +156,8 @@ class Ingress:
         self.aliases = {model_name, *aliases}
         self.metrics = serving_metrics.register(ServingMetrics(model_name, self.cfg.http.metrics_names))
         self.created = protocol.now()
-        self._ready = SharedFill(READY_CACHE_S)
-        self._drafters = SharedFill(DRAFTERS_CACHE_S)
+        self._ready = status.SharedFill(READY_CACHE_S)
+        self._drafters = status.SharedFill(DRAFTERS_CACHE_S)
         self._controller = None
         self._cost_asked = -math.inf
         self._retry_after = {"Retry-After": str(max(1, math.ceil(self.cfg.admission.retry_after_s)))}
@@ -238,9 +176,9 @@ class Ingress:
     async def models(self):
         serving = await self.drafter_replicas()
         drafters = {name: ({"average_of": d.average_of, "alpha": d.alpha} if d.average_of else
-                           {"checkpoint": public_checkpoint(d.checkpoint)}) for name, d in self.cfg.drafters.items()}
+                           {"checkpoint": status.public_checkpoint(d.checkpoint)}) for name, d in self.cfg.drafters.items()}
         for name, stats in serving.items():
-            drafters[name].update(served_versions(stats))
+            drafters[name].update(status.served_versions(stats))
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "taps_ray",
             "taps": {"default_strategy": self.cfg.strategy, "drafters": drafters,
@@ -287,7 +225,7 @@ class Ingress:
         except Exception:
             log.exception("ready: the Serve controller did not answer")
             self._controller, running = None, {}
-        return readiness(running, list(self.cfg.drafters))
+        return status.readiness(running, list(self.cfg.drafters))
 
     async def running_replicas(self) -> dict[str, int]:
         """Deployment name -> running replicas of this application, asked of the Serve controller
@@ -309,7 +247,7 @@ class Ingress:
         app_name = getattr(serve.get_replica_context(), "app_name", None) or self.cfg.app_name
         names = list(self.cfg.drafters)
         replies = dict(zip(names, await asyncio.gather(*(self._drafter_stats(app_name, n) for n in names))))
-        self.metrics.serving_versions({n: version_counts(stats) for n, stats in replies.items()})
+        self.metrics.serving_versions({n: status.version_counts(stats) for n, stats in replies.items()})
         return replies
 
     async def _drafter_stats(self, app_name: str, name: str) -> list[dict]:

@@ -15,6 +15,7 @@ import ray.serve
 
 from taps_ray.config import ServeConfig, TreeConfig
 from taps_ray.serving import access, ingress, protocol
+from taps_ray.serving import status as serving_status
 from taps_ray.serving.plan import DecodeRequest, resolve_plan
 from taps_ray.serving.verifier import Verifier
 from tests.spec.spec_helpers import bigram_target
@@ -661,7 +662,7 @@ def test_an_exception_escaping_a_route_is_a_generic_500(serve_app, caplog, monke
     def broken(self):
         raise ValueError(SECRET)
 
-    monkeypatch.setattr(ingress, "public_checkpoint", broken)
+    monkeypatch.setattr(serving_status, "public_checkpoint", broken)
     status, _, data = call("GET", "/v1/models", headers={"x-request-id": "models-1"})
     assert status == 500 and data["error"]["request_id"] == "models-1" and SECRET not in json.dumps(data)
     assert any("models-1" in r.getMessage() and SECRET in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
@@ -726,10 +727,10 @@ def test_with_keys_ready_tells_a_keyless_probe_the_status_alone(serve_app, monke
 
 
 def test_readiness_report():
-    assert ingress.readiness({"Verifier": 2, "Drafter_m": 1}, ["m"]) == {
+    assert serving_status.readiness({"Verifier": 2, "Drafter_m": 1}, ["m"]) == {
         "status": "ready", "verifier": "up", "drafters": {"m": "up"}}
-    assert ingress.readiness({"Drafter_m": 1}, ["m"])["status"] == "not_ready"
-    assert ingress.readiness({"Verifier": 1}, ["m"])["status"] == "degraded"
+    assert serving_status.readiness({"Drafter_m": 1}, ["m"])["status"] == "not_ready"
+    assert serving_status.readiness({"Verifier": 1}, ["m"])["status"] == "degraded"
 
 
 def test_ingress_limits_leave_room_for_probes_beyond_the_verifier_queue():
