@@ -11,11 +11,18 @@ key, type and default, and docs/CONFIG.md is that command's output. The ``serve`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from taps_ray.config_loading import ConfigError, Strict, apply_overrides, format_validation_error, load_yaml
+from taps_ray.config_loading import (
+    ConfigError,
+    Strict,
+    apply_overrides,
+    check_section,
+    format_validation_error,
+    load_yaml,
+)
 from taps_ray.config_serve import ServeConfig
 
 
@@ -296,22 +303,6 @@ class TrainConfig(Strict):
         "drafter of drafter.seed); taps adapt sets it to the drafter it fine-tunes"))
 
 
-_Section = TypeVar("_Section", bound=BaseModel)
-
-
-def _check_section(section: str, given: dict[str, Any], model: type[_Section], base: dict[str, Any]) -> _Section:
-    """Validate ``base`` updated with ``given`` as ``model``; errors name ``section.key``."""
-    unknown = sorted(set(given) - set(model.model_fields))
-    if unknown:
-        raise ValueError(f"{section}: unknown key(s) {unknown}; allowed keys: {', '.join(model.model_fields)}")
-    try:
-        return model.model_validate({**base, **given})
-    except ValidationError as err:
-        item = err.errors()[0]
-        key = ".".join(str(p) for p in item["loc"])
-        raise ValueError(f"{section}.{key}: {item['msg']} (got {item.get('input')!r})") from None
-
-
 class TrainingOverrides(Strict):
     """Overrides of the experiment's ``objective`` and ``train`` sections for one drafter (a variant, a
     sweep's trials), checked against those sections as the config loads; subclasses declare
@@ -333,13 +324,13 @@ class TrainingOverrides(Strict):
         if "algorithm" in self.objective:
             raise ValueError(f"{self._owner()}: set 'algorithm', not 'objective.algorithm'")
         self.objective_config()
-        _check_section(f"{self._owner()} train", self.train, TrainConfig, {})
+        check_section(f"{self._owner()} train", self.train, TrainConfig, {})
         if self.algorithm == "eagle2" and self.train.get("stage2") is not None:
             raise ValueError(f"{self._owner()}: train.stage2 is the HASS recipe; algorithm is eagle2")
         return self
 
     def objective_config(self) -> ObjectiveConfig:
-        return _check_section(f"{self._owner()} objective", self.objective, ObjectiveConfig,
+        return check_section(f"{self._owner()} objective", self.objective, ObjectiveConfig,
                               {"algorithm": self.algorithm})
 
 
@@ -481,7 +472,7 @@ class ExperimentConfig(Strict):
         base = self.train.model_dump()
         if variant.algorithm != "hass":
             base["stage2"] = None
-        return _check_section(f"variant {variant.name!r} train", variant.train, TrainConfig, base)
+        return check_section(f"variant {variant.name!r} train", variant.train, TrainConfig, base)
 
     @property
     def run_dir(self) -> Path:

@@ -7,7 +7,7 @@ through it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -95,3 +95,20 @@ def load_yaml(path: str | Path, what: str = "config file", error: type[Exception
         return yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise error(f"{path}: not valid YAML: {err}") from None
+
+
+_Section = TypeVar("_Section", bound=BaseModel)
+
+
+def check_section(section: str, given: dict[str, Any], model: type[_Section], base: dict[str, Any]) -> _Section:
+    """Validate ``base`` updated with ``given`` as ``model`` (a section and overrides of its keys); ValueError
+    naming ``section.key`` for an unknown key or a bad value."""
+    unknown = sorted(set(given) - set(model.model_fields))
+    if unknown:
+        raise ValueError(f"{section}: unknown key(s) {unknown}; allowed keys: {', '.join(model.model_fields)}")
+    try:
+        return model.model_validate({**base, **given})
+    except ValidationError as err:
+        item = err.errors()[0]
+        key = ".".join(str(p) for p in item["loc"])
+        raise ValueError(f"{section}.{key}: {item['msg']} (got {item.get('input')!r})") from None
