@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,14 @@ def collect_rows(grid, statuses: dict[str, str], out: Path) -> list[TrialRow]:
         config = {k: v for k, v in (result.config or {}).items()}
         rows.append(TrialRow(trial_id, status, config, metrics, count_attempts(out / "trials" / trial_id), error))
     return sorted(rows, key=lambda r: (json.dumps(r.config, sort_keys=True, default=str), r.trial_id))
+
+
+def discard_stopped_drafters(rows: list[TrialRow], out: Path) -> None:
+    """Remove the ``drafter`` folder of every trial the scheduler stopped: a trial whose training finished
+    before the stop reached it wrote one that was never evaluated, so it is not a result."""
+    for row in rows:
+        if row.status == "stopped":
+            shutil.rmtree(out / "trials" / row.trial_id / "drafter", ignore_errors=True)
 
 
 def _error_line(error: BaseException) -> str:

@@ -41,6 +41,7 @@ from taps_ray.sweeps.results import (
     best_row,
     collect_rows,
     describe_config,
+    discard_stopped_drafters,
     report,
     short,
     write_outputs,
@@ -164,8 +165,10 @@ def _sweep(spec: SweepSpec, cfg: ExperimentConfig, out: Path, resume: bool, num_
     if reaped:
         log.info("sweep %s: removed %d placement group(s) left by stopped or failed trials", spec.name, reaped)
     statuses = {t.trial_id: t.status for t in tune.ExperimentAnalysis(str(out / TUNE_DIR)).trials}
+    rows = collect_rows(grid, statuses, out)
+    discard_stopped_drafters(rows, out)
     summary = SweepSummary(spec.name, spec.kind, out, spec.objective.describe(), spec.domains, list(spec.search),
-                           collect_rows(grid, statuses, out), time.time() - started,
+                           rows, time.time() - started,
                            expected=(num_samples or spec.num_samples) * math.prod(
                                len(d.grid) for d in spec.search.values() if d.grid is not None))
     summary.best = best_row(summary.rows)

@@ -270,3 +270,17 @@ def test_objectives():
     assert ObjectiveSpec.model_validate("worst").value(taus) == 2.0
     assert ObjectiveSpec.model_validate("domain:math").value(taus) == 3.0
     assert math.isnan(ObjectiveSpec().value({"math": 3.0, "chat": math.nan}))
+
+
+def test_a_trial_the_scheduler_stopped_keeps_no_drafter_even_when_its_training_finished_first(tmp_path):
+    """ASHA's stop can reach a trial after its fit wrote the drafter, before it was evaluated: not a result."""
+    from taps_ray.sweeps.results import TrialRow, discard_stopped_drafters
+
+    rows = [TrialRow(trial_id, status, {}, {}, 1) for trial_id, status in
+            (("a", "ok"), ("b", "stopped"), ("c", "failed"), ("d", "stopped"))]
+    for trial_id in "abc":
+        (tmp_path / "trials" / trial_id / "drafter").mkdir(parents=True)
+        (tmp_path / "trials" / trial_id / "drafter" / "model.safetensors").write_bytes(b"x")
+    discard_stopped_drafters(rows, tmp_path)
+    assert [t for t in "abcd" if (tmp_path / "trials" / t / "drafter").exists()] == ["a", "c"]
+    assert (tmp_path / "trials" / "b").is_dir(), "the trial's own records stay"
