@@ -1,16 +1,8 @@
 """Ray Train worker loop of one drafter variant: ``TorchTrainer(train_loop_per_worker, ...)``.
 
-``config`` (built by :func:`taps_ray.train.variant.build_trainer`): ``variant``, ``objective`` and ``train``
-(:class:`ObjectiveConfig` / :class:`TrainConfig` dumps), ``target_config`` (the target's HF config),
-``fingerprint`` (dict), ``init_from`` (a drafter folder or ``release:NAME`` a fresh run starts from, or
-None), ``weights`` (an ObjectRef of, or a dict ``{"embed": [V, H], "lm_head": [V, H]}``,
-the target's frozen tensors), ``draft_to_target`` (list of target ids or None), ``drafter_seed``,
-``train_rows`` (rows of the training dataset), ``datasets`` (the mixture's dataset names), ``blocks``
-(the training rows' :class:`~taps_ray.train.shards.FeatureBlock` list, in sequence order),
-``heldout`` (an ObjectRef of, or a dict of pyarrow Tables of held-out feature rows per dataset),
-``cache_rows`` (keep the shard's raw rows in memory after the first epoch), ``metrics_path``,
-``meta`` (written into the drafter's ``config.json``), ``threads``, ``fail_at_step``,
-``trained_prompts`` (optional: written as the drafter's ``trained_prompts.json``).
+``train_loop_config={"worker": WorkerConfig}`` (:class:`~taps_ray.train.worker_config.WorkerConfig`, built by
+:func:`taps_ray.train.variant.build_trainer`): the variant, its objective and training settings, the target's
+frozen tensors and config, the training rows' blocks, the held-out rows, and what is written beside the drafter.
 
 Data (:mod:`taps_ray.train.shards`, :mod:`taps_ray.train.batches`): each worker reads its slice of
 the training rows from their Parquet files once per epoch (or once, ``cache_rows``), in a seeded
@@ -56,6 +48,7 @@ from taps_ray.train.losses import drafter_loss, unwrap
 from taps_ray.train.metrics import simulated_tau, unrolled_counts
 from taps_ray.train.schedule import Stage, lr_at, plan_stages, stage_of
 from taps_ray.train.shards import ShardRows
+from taps_ray.train.worker_config import WorkerConfig
 
 STATE_NAME = "train_state.pt"
 DRAFTER_DIR = "drafter"
@@ -186,8 +179,8 @@ def _resolve(value):
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
-def _target_weights(config: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    weights = _resolve(config["weights"])
+def _target_weights(config: WorkerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = _resolve(config.weights)
     return weights["embed"].to(device), weights["lm_head"].to(device)
 
 
@@ -220,7 +213,7 @@ class _Worker:
     as Ray Train wrapped it; ``module``: the DraftHead inside), its optimizer and progress, the frozen
     target tensors, the data, and the metrics window since the last train log line."""
 
-    config: dict
+    config: WorkerConfig
     rank: int
     world: int
     variant: str
@@ -267,7 +260,7 @@ class _Worker:
     def extra(self, final: bool) -> dict:
         """The drafter's ``config.json`` metadata: the run's settings, its progress, its held-out metrics."""
         state = self.state
-        return {**self.config.get("meta", {}), "name": self.variant, "algorithm": self.objective.algorithm,
+        return {**self.config.meta, "name": self.variant, "algorithm": self.objective.algorithm,
                 "objective": self.objective.model_dump(), "train": self.train.model_dump(),
                 "training": {"step": state.step, "total_steps": self.total_steps, "epochs": self.total_epochs,
                              "tokens": state.tokens, "train_seconds": round(state.train_seconds, 2),
@@ -288,7 +281,7 @@ class _Worker:
             return
         with tempfile.TemporaryDirectory() as directory:
             _save_checkpoint(Path(directory), self.module, self.optimizer, state, self.fingerprint, self.extra(final),
-                             self.config.get("trained_prompts"))
+                             self.config.trained_prompts)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                              checkpoint_dir_name=f"checkpoint_step{state.step:07d}")
 
@@ -297,15 +290,15 @@ _EMPTY_WINDOW = {"loss": 0.0, "acc1": 0.0, "steps": 0, "tokens": 0, "seconds": 0
 
 
 def train_loop_per_worker(config: dict) -> dict:
-    """Train one drafter variant on this worker's shard (see module docstring); returns the
-    final metrics on rank 0.
+    """Train one drafter variant on this worker's shard (see module docstring); ``config``: Ray Train's
+    ``train_loop_config``, ``{"worker": WorkerConfig}``. Returns the final metrics on rank 0.
 
     The loop: :func:`_setup` (the drafter and optimizer, fresh or from the checkpoint), then per
     epoch one :func:`_train_step` per batch (:func:`_train_epoch` skips the steps a resumed run
     already trained and logs and checkpoints between steps), then :func:`_end_epoch` (held-out
     evaluation, the epoch's checkpoint)."""
     _quiet_report_logs()
-    worker = _setup(config)
+    worker = _setup(config["worker"])
     if worker.state.step:
         worker.log(f"resumed at step {worker.state.step}/{worker.total_steps} (attempt {len(worker.state.attempts)})")
     for epoch in range(worker.state.step // worker.per_epoch, worker.total_epochs):
@@ -316,7 +309,7 @@ def train_loop_per_worker(config: dict) -> dict:
     return {"step": worker.state.step, **worker.state.heldout} if worker.rank == 0 else {}
 
 
-def _setup(config: dict) -> _Worker:
+def _setup(config: WorkerConfig) -> _Worker:
     """The worker's :class:`_Worker`: the drafter from the last checkpoint (with its optimizer and
     progress), else from ``init_from`` (its weights and vocabulary) or freshly initialised, wrapped by Ray Train; the data shard and held-out rows."""
     import ray.train  # the worker's Ray Train context: only inside a Ray Train worker
@@ -324,34 +317,32 @@ def _setup(config: dict) -> _Worker:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    variant = config["variant"]
-    train = TrainConfig.model_validate(config["train"])
-    objective = ObjectiveConfig.model_validate(config["objective"])
-    if config.get("threads"):
-        torch.set_num_threads(int(config["threads"]))
+    variant, train, objective = config.variant, config.train, config.objective
+    if config.threads:
+        torch.set_num_threads(config.threads)
     device = ray.train.torch.get_device()
     embed, head = _target_weights(config, device)
     hidden_size = int(embed.shape[1])
-    fingerprint = TargetFingerprint(**config["fingerprint"])
-    metrics_log = MetricsLog(config.get("metrics_path") if rank == 0 else None)
+    fingerprint = TargetFingerprint(**config.fingerprint)
+    metrics_log = MetricsLog(config.metrics_path if rank == 0 else None)
 
     state, saved = TrainState(), None
     checkpoint = ray.train.get_checkpoint()
     head_cls = drafter_class(objective.algorithm)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            module = head_cls.load(Path(directory) / DRAFTER_DIR, config["target_config"], fingerprint)
+            module = head_cls.load(Path(directory) / DRAFTER_DIR, config.target_config, fingerprint)
             saved = torch.load(Path(directory) / STATE_NAME, map_location="cpu", weights_only=True)
         state = TrainState(**saved["state"])
-    elif config.get("init_from"):
-        module = head_cls.load(config["init_from"], config["target_config"], fingerprint)
+    elif config.init_from:
+        module = head_cls.load(config.init_from, config.target_config, fingerprint)
         if type(module) is not head_cls:
             raise DrafterLoadError(f"variant {variant!r} trains {objective.algorithm} ({head_cls.architecture}); "
-                                   f"train.init_from {config['init_from']!r} is a {module.architecture} drafter")
+                                   f"train.init_from {config.init_from!r} is a {module.architecture} drafter")
     else:
-        d2t = config.get("draft_to_target")
-        module = head_cls(config["target_config"], draft_to_target=None if d2t is None else torch.tensor(d2t),
-                          seed=int(config.get("drafter_seed", 0)))
+        d2t = config.draft_to_target
+        module = head_cls(config.target_config, draft_to_target=None if d2t is None else torch.tensor(d2t),
+                          seed=config.drafter_seed)
     module.metadata = {}
     model = ray.train.torch.prepare_model(module.train())
     module = unwrap(model)
@@ -367,13 +358,13 @@ def _setup(config: dict) -> _Worker:
         config=config, rank=rank, world=world, variant=variant, train=train, objective=objective, device=device,
         embed=embed, head=head, fingerprint=fingerprint, metrics_log=metrics_log, state=state, module=module,
         model=model, optimizer=optimizer, generator=generator, stages=plan_stages(train, objective.algorithm),
-        per_epoch=steps_per_epoch(int(config["train_rows"]), world, train.batch_size),
-        fail_at=faults.fail_at_step(config.get("fail_at_step") or os.environ.get(faults.TRAIN_ENV), variant),
-        marker=Path(config.get("metrics_path") or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}"),
+        per_epoch=steps_per_epoch(config.train_rows, world, train.batch_size),
+        fail_at=faults.fail_at_step(config.fail_at_step or os.environ.get(faults.TRAIN_ENV), variant),
+        marker=Path(config.metrics_path or tempfile.gettempdir()).with_name(f".injected_failure.rank{rank}"),
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
-        heldout=heldout_rows(_resolve(config.get("heldout")), hidden_size, module.row_layers),
-        pooled=list(config.get("datasets") or []),
-        shard=ShardRows(config["blocks"], rank, world, bool(config.get("cache_rows", False))))
+        heldout=heldout_rows(_resolve(config.heldout), hidden_size, module.row_layers),
+        pooled=list(config.datasets),
+        shard=ShardRows(config.blocks, rank, world, config.cache_rows))
 
 
 def _stage_objective(worker: _Worker, epoch: int) -> ObjectiveConfig:

@@ -29,6 +29,7 @@ from taps_ray.runtime import faults
 from taps_ray.train.loop import DRAFTER_DIR, train_loop_per_worker
 from taps_ray.train.shards import FEATURE_COLUMNS, plan_blocks
 from taps_ray.train.vocab import coverage, draft_vocabulary, token_counts
+from taps_ray.train.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -182,28 +183,27 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
     resources = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": cpus}
     worker_threads = train.threads or (4 if use_gpu else threads)
     out = run_dir / "drafters" / variant.name
-    loop_config = {
-        "variant": variant.name,
-        "objective": variant.objective_config().model_dump(),
-        "train": train.model_dump(),
-        "target_config": target_config,
-        "fingerprint": fingerprint,
-        "weights": weights,
-        "draft_to_target": plan.draft_to_target,
-        "drafter_seed": cfg.drafter.seed,
-        "init_from": None if train.init_from is None else absolute_drafter_spec(train.init_from),
-        "train_rows": plan.rows,
-        "datasets": sorted(plan.selection.rows),
-        "blocks": plan_blocks({n: sets[n].shard_paths() for n in plan.selection.rows}, plan.selection.rows,
-                              train.seed),
-        "heldout": heldout,
-        "cache_rows": plan.tokens * target_config.hidden_size * 2 * (4 if variant.algorithm == "eagle3" else 1)
-        / train.num_workers <= CACHE_BYTES,
-        "metrics_path": str(out / "metrics.jsonl"),
-        "threads": worker_threads,
-        "fail_at_step": os.environ.get(faults.TRAIN_ENV),
-        "trained_prompts": trained_prompts(sets, plan.selection),
-        "meta": {
+    worker = WorkerConfig(
+        variant=variant.name,
+        objective=variant.objective_config(),
+        train=train,
+        target_config=target_config,
+        fingerprint=fingerprint,
+        weights=weights,
+        draft_to_target=plan.draft_to_target,
+        drafter_seed=cfg.drafter.seed,
+        init_from=None if train.init_from is None else absolute_drafter_spec(train.init_from),
+        train_rows=plan.rows,
+        datasets=sorted(plan.selection.rows),
+        blocks=plan_blocks({n: sets[n].shard_paths() for n in plan.selection.rows}, plan.selection.rows, train.seed),
+        heldout=heldout,
+        cache_rows=plan.tokens * target_config.hidden_size * 2 * (4 if variant.algorithm == "eagle3" else 1)
+                   / train.num_workers <= CACHE_BYTES,
+        metrics_path=str(out / "metrics.jsonl"),
+        threads=worker_threads,
+        fail_at_step=os.environ.get(faults.TRAIN_ENV),
+        trained_prompts=trained_prompts(sets, plan.selection),
+        meta={
             "variant": variant.name,
             "mixture": {"name": variant.mixture, "counts": plan.selection.counts,
                         "describe": plan.selection.describe()},
@@ -215,10 +215,10 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
             "experiment": cfg.name,
             **({"init_from": train.init_from} if train.init_from else {}),
         },
-    }
+    )
     return _trainer_class()(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"worker": worker},
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(name=variant.name, storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=train.max_failures), callbacks=callbacks,
