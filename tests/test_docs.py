@@ -48,3 +48,28 @@ def test_design_layout_names_every_module_of_the_package():
     missing = sorted({name for name in modules
                       if len(re.findall(rf"(?<![\w/]){re.escape(name)}\b", layout)) < modules.count(name)})
     assert not missing, f"docs/DESIGN.md's layout does not name {missing}"
+
+
+def _owners() -> dict[str, str]:
+    """docs/DESIGN.md's list of modules tested outside a mirror file: ``module path -> test file``."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    section = text[text.index("Tests mirror the package"):].split("```")[1]
+    pairs = re.findall(r"(\S+\.py)\s+(tests/\S+\.py)", section)
+    return {module: test for module, test in pairs}
+
+
+def test_every_module_has_its_mirror_test_file_or_an_owner_named_in_design():
+    modules = [p.removeprefix("taps_ray/") for p in _tracked()
+               if p.startswith("taps_ray/") and p.endswith(".py") and not p.endswith("__init__.py")]
+    owners = _owners()
+
+    def mirror(module: str) -> str:
+        folder, _, name = module.rpartition("/")
+        return f"tests/{folder + '/' if folder else ''}test_{name}"
+
+    unowned = [m for m in modules if not (REPO / mirror(m)).is_file() and m not in owners]
+    assert not unowned, f"no test file of their own and no owner in docs/DESIGN.md: {unowned}"
+    stale = [m for m in owners if m not in modules or (REPO / mirror(m)).is_file()]
+    assert not stale, f"docs/DESIGN.md names owners of modules that are gone or have their own test file: {stale}"
+    missing = sorted({t for t in owners.values() if not (REPO / t).is_file()})
+    assert not missing, f"docs/DESIGN.md names test files that do not exist: {missing}"
