@@ -118,6 +118,7 @@ def test_the_gate_guards_every_prepared_domain_not_only_the_drafters_own():
     assert "| math (guarded: not a training set) | 2.000 | 1.800 |" in card and "| chat | 1.600 | 1.600 |" in card
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_clear_errors(setup, monkeypatch, capsys):
     path, target, source, traffic, tmp = setup
     monkeypatch.setenv("TAPS_CACHE", str(tmp / "cache"))

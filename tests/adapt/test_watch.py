@@ -198,6 +198,7 @@ def test_a_lock_training_finds_held_defers_the_round_instead_of_ending_the_loop(
     assert attempts == ["traffic-5", "traffic-5"] and len(done) == 1 and done[0].captured == EVERY
 
 
+@pytest.mark.slow
 def test_a_second_loop_on_the_same_drafter_and_run_folder_is_refused_naming_the_first(tmp_path, monkeypatch):
     """A loop on another drafter of the same run folder is not: it runs its round."""
     traffic = tmp_path / "capture"

@@ -204,6 +204,7 @@ def noisy_specialists(questions: int, lead: float) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_a_claim_is_inconclusive_on_few_noisy_questions_and_decided_on_many():
     few = {c["id"]: c for c in evaluate_claims(build_tables(noisy_specialists(3, 0.3))[1])}
     many = {c["id"]: c for c in evaluate_claims(build_tables(noisy_specialists(200, 0.3))[1])}
@@ -220,6 +221,7 @@ def test_a_claim_is_inconclusive_on_few_noisy_questions_and_decided_on_many():
     assert (tie[1]["low"], tie[1]["high"]) == (0.0, 0.0) and tie[1]["status"] == FAILS, "a tie is not a lead"
 
 
+@pytest.mark.slow
 def test_claims_follow_the_numbers_not_the_expectations():
     claims = {c["id"]: c["status"] for c in build_tables(paper_like_records(swap=True))[0]["claims"]}
     assert claims[1] == FAILS and claims[6] == FAILS
@@ -229,6 +231,7 @@ def test_claims_follow_the_numbers_not_the_expectations():
     assert all(statuses[i] == MISSING for i in range(1, 7))
 
 
+@pytest.mark.slow
 def test_report_states_each_claim_in_words(tmp_path):
     """A report read on its own says what each claim is, whether it holds and on which numbers."""
     out = tmp_path / "run"
@@ -257,6 +260,7 @@ def test_report_states_each_claim_in_words(tmp_path):
                      "benchmark. — holds (2.00 vs 1.00)")
 
 
+@pytest.mark.slow
 def test_write_report_and_cli(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -281,6 +285,7 @@ def test_write_report_and_cli(tmp_path):
         write_report(empty)
 
 
+@pytest.mark.slow
 def test_report_includes_sweeps_and_remembers_them(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -303,6 +308,7 @@ def test_report_includes_sweeps_and_remembers_them(tmp_path):
     assert "| 1.00 | 2.75 | 1.25 | 2.00 | 11.00 |" in (out / "report.md").read_text(), "regeneration keeps the sweeps"
 
 
+@pytest.mark.slow
 def test_claims_are_checked_at_each_temperature_on_its_own_records(tmp_path):
     """T=1 records whose specialists are swapped: claim 1 holds at T=0 and does not at T=1, each line in its
     temperature's section of the report."""

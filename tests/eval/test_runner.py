@@ -67,6 +67,7 @@ def test_expand_strategies():
         expand_strategies(["averaged:0.3"], ["a", "b", "c"], ["a", "b", "c"])
 
 
+@pytest.mark.slow
 def test_records_cover_every_cell_with_consistent_fields(full_run):
     out, records = full_run
     strategies = ["vanilla", "single:math", "single:chat", "averaged:0.5", "routed:confidence:step",
@@ -113,6 +114,7 @@ def test_records_cover_every_cell_with_consistent_fields(full_run):
     assert only.method == "production" and only.production_tree is None and only.tree["adaptive"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_paper_trees_decoded_together_equal_their_runs_one_by_one(temperature):
     """With production runs the paper-tree strategies of a question decode in one batch; their outputs, steps
@@ -200,6 +202,7 @@ def test_interrupted_run_resumes_without_duplicates(full_run, tmp_path, monkeypa
     assert calls["resumed"] == 0 and len((out / RECORDS).read_text().splitlines()) == 6 * 15
 
 
+@pytest.mark.slow
 def test_folder_of_another_configuration_is_refused(full_run, tmp_path):
     out, _ = full_run
     with pytest.raises(EvalError, match=r"other settings \(max_new_tokens: 10 in the folder, 12 now\)"):
@@ -282,6 +285,7 @@ def test_unavailable_benchmarks_are_skipped_with_one_line(tmp_path, monkeypatch)
         select_questions(make_plan(config("eval.benchmarks=[math_500]")))
 
 
+@pytest.mark.slow
 def test_run_prints_and_records_exclusions_and_the_report_says_them(tmp_path, capsys):
     math = _trained_drafter(tmp_path / "math", ["what is 17 + 25?"])
     out = tmp_path / "run"

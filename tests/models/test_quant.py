@@ -156,6 +156,7 @@ def test_half_product_is_the_half_rounded_weights_product_and_refuses_a_changed_
         linear(x)
 
 
+@pytest.mark.slow
 def test_fp16_runs_where_fbgemm_does_and_auto_picks_it_only_from_dtype_auto(monkeypatch):
     assert "CPU kernel only" in fp16_unsupported(torch.device("cuda"), torch.float32)
     assert "float32 activations" in fp16_unsupported(torch.device("cpu"), torch.bfloat16)
@@ -169,6 +170,7 @@ def test_fp16_runs_where_fbgemm_does_and_auto_picks_it_only_from_dtype_auto(monk
     assert auto_weights(torch.device("cpu"), torch.float32, "auto") == "dense"
 
 
+@pytest.mark.slow
 @needs_fbgemm
 @pytest.mark.parametrize("seed", range(3))
 def test_fp16_engine_greedy_speculation_equals_its_vanilla_bitwise(seed):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_ingress_imports_without_torch_or_transformers():
     code = ("import sys, taps_ray.serving.ingress, taps_ray.serving.plan, taps_ray.spec.strategy; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")

@@ -168,6 +168,7 @@ def test_remote_single_proposes_the_in_process_trees(bigram, drafters, replicas)
 
 @pytest.mark.parametrize("name", ["routed:confidence", "routed:entropy", "routed:confidence:request", "merged:union",
                                   "merged:budget"])
+@pytest.mark.slow
 @pytest.mark.parametrize("team", ["drafters", "thirds"])
 def test_remote_composition_equals_in_process_compose(request, bigram, team, name):
     """Greedy, float32: the same trees (the drafting support included), decisions and output as the
@@ -606,6 +607,7 @@ class WidthClient(LocalClient):
 
 @pytest.mark.parametrize("name", ["single", "routed:confidence", "routed:entropy:request", "merged:union",
                                   "merged:budget"])
+@pytest.mark.slow
 def test_served_eagle3_and_eagle2_drafters_equal_the_in_process_strategy(name):
     """An EAGLE-3 drafter (reduced vocabulary) beside an EAGLE-2 one, served: each deployment reports the
     target layers it reads, the verifier asks the target for their union and ships each drafter its own

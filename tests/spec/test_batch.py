@@ -162,6 +162,7 @@ def test_greedy_requests_decoded_together_equal_each_decoded_alone(peaky_target)
     assert sum(size * count for size, count in batcher.sizes.items()) == sum(len(r.steps) for r in together) + prefills
 
 
+@pytest.mark.slow
 def test_eagle3_and_eagle2_requests_decoded_together_equal_each_decoded_alone():
     target = peaky_tiny_target(2, layers=8)
     prompts = [random_prompt(target, n, seed=s) for s, n in enumerate([6, 11, 4, 9])]

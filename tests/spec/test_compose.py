@@ -409,6 +409,7 @@ def eagle3_pool(target, name: str) -> dict:
             "e3b": sharp_eagle3(target, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("name", ALL)
 def test_eagle3_drafters_keep_greedy_output_equal_to_vanilla(deep, name, adaptive):

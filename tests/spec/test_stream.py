@@ -160,6 +160,7 @@ def _pushes(ids: list[int], rng: random.Random, most: int = 6) -> list[list[int]
     return chunks
 
 
+@pytest.mark.slow
 def test_incremental_text_streams_exactly_what_decoding_everything_gave(embedded_tokenizer):
     """The embedded (byte-level) tokenizer, for unicode, multi-byte characters split over tokens, specials and
     random ids, in pushes of 1-6: every push returns the same delta, text, ``used`` and ``hit`` as decoding
