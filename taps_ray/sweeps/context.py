@@ -18,6 +18,31 @@ from taps_ray.sweeps.config import InterpolationSweepSpec, MixtureSweepSpec, Swe
 from taps_ray.sweeps.resources import TrialResources
 
 
+def trial_algorithms(spec: MixtureSweepSpec) -> set[str]:
+    """The algorithms a mixture sweep's trials may train: the base drafter's, and every value ``search.algorithm``
+    lists (grid or choice)."""
+    dimension = spec.search.get("algorithm")
+    listed = (dimension.grid or dimension.choice or []) if dimension is not None else []
+    return {spec.mixture.algorithm, *map(str, listed)}
+
+
+def trial_features(spec: MixtureSweepSpec, cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with the feature sets its trials read: EAGLE-3's layers when a trial may train an eagle3 drafter
+    (``data.features.layers: auto`` becomes ``eagle3``); SweepError when the config asks for the last hidden
+    state alone, which an eagle3 trial cannot train on."""
+    if "eagle3" not in trial_algorithms(spec):
+        return cfg
+    layers = cfg.data.features.layers
+    if layers == "last":
+        raise SweepError("the sweep trains eagle3 drafters, which read EAGLE-3's three target layers; the experiment "
+                         "sets data.features.layers: last (use eagle3 or auto, and `taps prepare CONFIG "
+                         "data.features.layers=eagle3`)")
+    if layers == "eagle3":
+        return cfg
+    features = cfg.data.features.model_copy(update={"layers": "eagle3"})
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"features": features})})
+
+
 def feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -> dict:
     from taps_ray.data.feature_sets import FeatureCacheError, load_feature_sets
 
@@ -28,7 +53,9 @@ def feature_sets(cfg: ExperimentConfig, fingerprint: dict, required: set[str]) -
     try:
         return load_feature_sets(cfg, fingerprint, required)
     except FeatureCacheError as err:
-        raise SweepError(str(err)) from None
+        hint = " with EAGLE-3's layers: `taps prepare CONFIG data.features.layers=eagle3`" \
+            if cfg.data.features.layers == "eagle3" else ""
+        raise SweepError(f"{err}{hint}") from None
 
 
 def heldout_prompt(row: dict) -> list[int]:
@@ -130,7 +157,8 @@ def mixture_context(spec: MixtureSweepSpec, cfg: ExperimentConfig, out: Path, re
     from taps_ray.train.variant import heldout_tables
 
     sim = {d: p.dataset or d for d, p in spec.eval.prompts.items()}
-    sets = feature_sets(cfg, target.fingerprint.to_dict(), set(spec.mixture.datasets) | set(sim.values()))
+    sets = feature_sets(trial_features(spec, cfg), target.fingerprint.to_dict(),
+                        set(spec.mixture.datasets) | set(sim.values()))
     try:
         probe_cfg, probe = trial_variant(spec, cfg, {}, resources.use_gpu)
     except ValueError as err:

@@ -28,7 +28,7 @@ from taps_ray.runtime.faults import SWEEP_ENV as FAIL_ENV
 from taps_ray.runtime.placement import RECORD
 from taps_ray.sweeps.config import ObjectiveSpec, SweepError, SweepSpecError, parse_spec
 from taps_ray.sweeps.run import run_sweep
-from tests.conftest import make_tiny_target
+from tests.conftest import REPO, make_tiny_target
 from tests.train.train_helpers import HIDDEN, VOCAB, drafter_tensors, tiny_experiment
 
 EVAL = {"prompts": {"math": {"source": "heldout", "limit": 2}, "chat": {"source": "heldout", "limit": 2}},
@@ -284,3 +284,21 @@ def test_a_trial_the_scheduler_stopped_keeps_no_drafter_even_when_its_training_f
     discard_stopped_drafters(rows, tmp_path)
     assert [t for t in "abcd" if (tmp_path / "trials" / t / "drafter").exists()] == ["a", "c"]
     assert (tmp_path / "trials" / "b").is_dir(), "the trial's own records stay"
+
+
+def test_a_sweep_that_may_train_eagle3_reads_feature_sets_with_eagle3s_layers(tmp_path):
+    """``auto`` features follow the experiment's variants; a sweep whose trials may train eagle3 drafters reads the
+    EAGLE-3 sets instead, and says how to prepare them when they are missing."""
+    from taps_ray.sweeps.context import feature_sets, trial_algorithms, trial_features
+
+    spec = parse_spec({**MIXTURE, "search": {"ratio": [0.0, 1.0], "algorithm": ["hass", "eagle3"]}})
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"output_dir={tmp_path}"])
+    assert trial_algorithms(spec) == {spec.mixture.algorithm, "hass", "eagle3"}
+    assert trial_features(spec, cfg).data.features.layers == "eagle3" and cfg.data.features.layers == "auto"
+    plain = parse_spec({**MIXTURE, "search": {"ratio": [0.0, 1.0]}})
+    assert trial_algorithms(plain) == {"eagle2"} and trial_features(plain, cfg) is cfg
+    with pytest.raises(SweepError, match="data.features.layers: last"):
+        trial_features(spec, load_config(None, ["data.features.layers=last"]))
+    with pytest.raises(SweepError, match=r"taps prepare CONFIG data.features.layers=eagle3"):
+        feature_sets(trial_features(spec, cfg), {"hidden_size": 1, "vocab_size": 1, "embed_hash": "none"},
+                     {"math"})
