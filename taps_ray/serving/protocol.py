@@ -315,30 +315,31 @@ def check_limits(body: ChatCompletionRequest | CompletionRequest, cfg: ServeConf
     """:class:`RequestError` (400, naming the field, the value and the limit) when ``body`` exceeds the
     server's limits: messages, prompt characters (token ids of a ``prompt`` given as ids), stop strings,
     ``max_tokens`` and ``taps.draft_deadline_s``."""
+    limits = cfg.limits
     if isinstance(body, ChatCompletionRequest):
-        if len(body.messages) > cfg.limits.max_messages:
-            raise RequestError(f"{len(body.messages)} messages; at most {cfg.limits.max_messages} are accepted", "messages",
+        if len(body.messages) > limits.max_messages:
+            raise RequestError(f"{len(body.messages)} messages; at most {limits.max_messages} are accepted", "messages",
                                code="too_many_messages")
         chars, param = sum(len(m.text()) + len(m.name or "") for m in body.messages), "messages"
     else:
         chars, param = (len(body.prompt) if isinstance(body.prompt, str) else 0), "prompt"
-        if not isinstance(body.prompt, str) and len(body.prompt) > cfg.limits.max_prompt_tokens:
-            raise RequestError(f"{len(body.prompt)} token ids; at most {cfg.limits.max_prompt_tokens} are accepted", "prompt",
+        if not isinstance(body.prompt, str) and len(body.prompt) > limits.max_prompt_tokens:
+            raise RequestError(f"{len(body.prompt)} token ids; at most {limits.max_prompt_tokens} are accepted", "prompt",
                                code="prompt_too_long")
-    if chars > cfg.limits.max_prompt_chars:
-        raise RequestError(f"{chars} characters; at most {cfg.limits.max_prompt_chars} are accepted", param,
+    if chars > limits.max_prompt_chars:
+        raise RequestError(f"{chars} characters; at most {limits.max_prompt_chars} are accepted", param,
                            code="prompt_too_long")
     stops = body.stop or []
-    if len(stops) > cfg.limits.max_stop_sequences:
-        raise RequestError(f"{len(stops)} stop sequences; at most {cfg.limits.max_stop_sequences} are accepted", "stop")
-    if (longest := max((len(s) for s in stops), default=0)) > cfg.limits.max_stop_chars:
-        raise RequestError(f"a stop sequence of {longest} characters; at most {cfg.limits.max_stop_chars} per sequence",
+    if len(stops) > limits.max_stop_sequences:
+        raise RequestError(f"{len(stops)} stop sequences; at most {limits.max_stop_sequences} are accepted", "stop")
+    if (longest := max((len(s) for s in stops), default=0)) > limits.max_stop_chars:
+        raise RequestError(f"a stop sequence of {longest} characters; at most {limits.max_stop_chars} per sequence",
                            "stop")
-    if body.max_tokens is not None and body.max_tokens > cfg.limits.max_tokens_cap:
+    if body.max_tokens is not None and body.max_tokens > limits.max_tokens_cap:
         name = "max_tokens"
         if getattr(body, "max_completion_tokens", None) == body.max_tokens:
             name = "max_completion_tokens"
-        raise RequestError(f"{body.max_tokens} is more than this server's cap of {cfg.limits.max_tokens_cap} tokens", name)
+        raise RequestError(f"{body.max_tokens} is more than this server's cap of {limits.max_tokens_cap} tokens", name)
     deadline = body.taps.draft_deadline_s if body.taps else None
     if deadline is not None and deadline > cfg.routing.draft_deadline_cap_s:
         raise RequestError(f"{deadline:g} s is more than this server's cap of {cfg.routing.draft_deadline_cap_s:g} s",
