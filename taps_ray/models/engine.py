@@ -177,19 +177,24 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RMSNorm:
-    """``module`` (a Llama-style RMSNorm: ``weight * x / rms(x)``) as one ``F.rms_norm`` call in float32, the same
-    arithmetic bit for bit in one op instead of eight (plus the module call); in other dtypes the module itself."""
+    """``module`` (a Llama-style RMSNorm: ``weight * x / rms(x)``, the normalisation in float32) as one
+    ``F.rms_norm`` call, the same arithmetic bit for bit: in float32 one op instead of eight, in a half dtype
+    four (to float32, normalise, back, times the weight) instead of eight; other norms run the module itself."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
         self.module = module
         self.eps = getattr(module, "variance_epsilon", None)
-        self.fused = (dtype == torch.float32 and self.eps is not None and type(module).__name__.endswith("RMSNorm")
-                      and isinstance(getattr(module, "weight", None), torch.Tensor))
+        self.weight = getattr(module, "weight", None)
+        self.fused = (self.eps is not None and type(module).__name__.endswith("RMSNorm")
+                      and isinstance(self.weight, torch.Tensor))
+        self.half = dtype != torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return F.rms_norm(x, (x.shape[-1],), self.module.weight, self.eps)
-        return self.module(x)
+        if not self.fused:
+            return self.module(x)
+        if not self.half:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def parameters(self):
         return self.module.parameters()
@@ -235,6 +240,7 @@ class StaticEngine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.packed = can_pack(self.device, self.dtype)
+        self.attention_dtype = attention_dtype(self.device, self.dtype)
         if weights not in ("dense", "int4", "fp16"):
             raise ValueError(f"weights must be dense, int4 or fp16, got {weights!r}")
         self.weights = weights
@@ -307,7 +313,7 @@ class StaticEngine:
         return half_rows(total) if self.weights == "fp16" else total
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.device, capacity)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -326,7 +332,7 @@ class StaticEngine:
             seg.cache.reserve(seg.n)
         x = self.base.embed_tokens(tokens)[None]
         cos, sin = self.base.rotary_emb(x, positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]
+        cos, sin = cos[0, :, None], _signed_sin(sin[0, :, None])
         x = x[0]
         total = x.shape[0]
         if 0 in layers:
@@ -376,29 +382,37 @@ class StaticEngine:
         cache.values[index, :, past:end] = v.transpose(0, 1)
         mask = masks["sliding" if layer.window is not None else "full"]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], cache.keys[index, None, :, :end], cache.values[index, None, :, :end],
-            attn_mask=mask, is_causal=masks["causal"] and layer.window is None, scale=self.scale,
-            enable_gqa=self.heads != self.kv_heads)
-        return out[0].transpose(0, 1)
+            q.transpose(0, 1)[None].to(cache.keys.dtype), cache.keys[index, None, :, :end],
+            cache.values[index, None, :, :end], attn_mask=mask, is_causal=masks["causal"] and layer.window is None,
+            scale=self.scale, enable_gqa=self.heads != self.kv_heads)
+        return out[0].transpose(0, 1).to(q.dtype)
 
     def _masks(self, seg: Segment, positions: torch.Tensor) -> dict:
         """The additive masks [n, P + n] of ``seg`` for full and sliding layers (None where attention
         needs none), and whether full layers may use SDPA's own causal mask (no cache yet, no mask)."""
         past, n = seg.cache.length, seg.n
         windows = {layer.window for layer in self.layers if layer.window is not None}
-        mask = seg.mask
+        dtype = self.attention_dtype
+        mask = None if seg.mask is None else seg.mask.to(dtype)
         causal = mask is None and past == 0 and n > 1
         if mask is None and n > 1 and (past > 0 or windows):
-            mask = _causal_mask(n, past, self.dtype, self.device)
+            mask = _causal_mask(n, past, dtype, self.device)
         full = None if causal else mask
         if not windows:
             return {"full": full, "sliding": None, "causal": causal}
         window = windows.pop()
-        base = mask if mask is not None else torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+        base = mask if mask is not None else torch.zeros(n, past + n, dtype=dtype, device=self.device)
         keys = torch.cat([torch.arange(past, device=self.device), positions])
         outside = (positions[:, None] - keys[None, :]) >= window
-        sliding = base.masked_fill(outside, torch.finfo(self.dtype).min)
+        sliding = base.masked_fill(outside, torch.finfo(dtype).min)
         return {"full": full, "sliding": sliding, "causal": causal}
+
+
+def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache holds and attention runs in: float32 for a bfloat16 target on CPU (torch's CPU
+    attention is 3-6x slower in bf16 than in float32 at one query; the cached bf16 keys and values are exact in
+    float32, so the cache only doubles in bytes), else the target's own dtype."""
+    return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
 
 
 def _starts(segments: list[Segment]) -> list[int]:
@@ -418,14 +432,17 @@ def _causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [T, heads, d] with ``cos``/``sin`` [T, 1, r] on its first r dims."""
+    """Rotary embedding of ``x`` [T, heads, d] with ``cos`` [T, 1, r] and ``sin`` signed by :func:`_signed_sin` on its
+    first r dims: ``x * cos + rotate_half(x) * sin`` with the same products and sums, in four ops."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + x.roll(rot // 2, dims=-1) * sin
     head, tail = x[..., :rot], x[..., rot:]
-    return torch.cat([head * cos + _rotate_half(head) * sin, tail], dim=-1)
+    return torch.cat([head * cos + head.roll(rot // 2, dims=-1) * sin, tail], dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` [.., r] with its first half negated: ``rotate_half(x) * sin == x.roll(r // 2) * _signed_sin(sin)``
+    exactly (negation is exact)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)

@@ -35,12 +35,11 @@ from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import KVCache, Segment
-from taps_ray.models.quant import HalfLinear
 from taps_ray.models.target import TargetModel, TargetOutput, layer_columns, union_layers
 from taps_ray.models.target_cache import TargetCache
 from taps_ray.spec.batch_load import BatchLoad
 from taps_ray.spec.decoder import GenerationResult, generate
-from taps_ray.spec.draft_compute import DraftCompute, draft_log_probs
+from taps_ray.spec.draft_compute import DraftCompute, DraftHeadProduct, draft_log_probs
 
 
 @dataclass
@@ -220,7 +219,7 @@ def draft_forward_batch(calls: list[DraftCall]) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def head_batch(calls: list[tuple[torch.Tensor | HalfLinear, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+def head_batch(calls: list[tuple[DraftHeadProduct, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
     """:func:`~taps_ray.spec.draft_compute.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one
     product per distinct head (rows of calls sharing a head stacked)."""
     out: list = [None] * len(calls)
@@ -361,7 +360,7 @@ class DraftBatcher(DraftCompute):
         return self.forwards.submit(DraftCall(drafter, embeds[0], features[0], positions[0], cache,
                                               None if mask is None else mask[0, 0]))
 
-    def log_probs(self, head: torch.Tensor | HalfLinear,
+    def log_probs(self, head: DraftHeadProduct,
                   hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.heads.submit((head, hidden))
 

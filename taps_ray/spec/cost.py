@@ -113,15 +113,27 @@ def _cpu_identity() -> str:
 
 def fingerprint(target) -> dict:
     """What a verification's cost depends on: the device (CPU model and flags, or GPU name), dtype, threads,
-    torch version, the target's engine (its product format: oneDNN-packed, int4) and sizes."""
+    torch version, the target's engine (its product format: oneDNN-packed, int4, and the revision of its code)
+    and sizes."""
     device = target.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
     engine = getattr(target, "engine", None)
     return {"device": device.type, "hardware": where, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "engine": "hf" if engine is None else engine_label(engine),
+            "engine": "hf" if engine is None else engine_label(engine), "engine_code": engine_revision(),
             "target": {"hidden": target.hidden_size, "vocab": target.vocab_size,
                        "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
+
+
+def engine_revision() -> str:
+    """A hash of the source of the modules that run a verification forward (the static engine, its products,
+    the transformers attention hook): a change to the engine's code measures the cost model again."""
+    from taps_ray.models import attention, engine, quant
+
+    digest = hashlib.sha256()
+    for module in (engine, quant, attention):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def engine_label(engine) -> str:

@@ -9,10 +9,12 @@ Shapes: ``n`` new positions, ``P`` cached positions, ``H`` hidden size, ``V`` dr
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
-from taps_ray.models.quant import HalfLinear
+from taps_ray.models.engine import Linear, can_pack
+from taps_ray.models.quant import GROUP, HalfLinear, Int4Linear, quantize_rtn
 
 
 class DraftCompute:
@@ -26,44 +28,102 @@ class DraftCompute:
         None)`` -> [1, n, H]; ``cache`` is extended by n entries."""
         return drafter(embeds, features, positions, cache, mask)
 
-    def log_probs(self, head: torch.Tensor | HalfLinear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`draft_log_probs` of ``hidden`` [n, H] under ``head`` [V, H]."""
+    def log_probs(self, head: DraftHeadProduct, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`draft_log_probs` of ``hidden`` [n, H] under ``head``."""
         return draft_log_probs(head, hidden)
 
 
 DIRECT = DraftCompute()
 
 
-def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, half: bool = False) -> torch.Tensor | HalfLinear:
-    """The LM-head rows [V_draft, H] of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H]
-    (``weight`` itself for the whole vocabulary); computed once per drafter and head and shared by its sessions.
-    ``half``: those rows as a :class:`~taps_ray.models.quant.HalfLinear` product, for a target that reads its
-    own weights in half precision (``target.weights: fp16``): the draft head is the target's head, read in the
-    target's format (4-10x float32's ``mm`` for the few rows drafted at once on the CPUs measured)."""
-    cached: tuple[torch.Tensor, torch.Tensor, dict[str, HalfLinear]] | None = drafter.__dict__.get("_head_rows")
-    if cached is None or cached[0] is not weight:
-        rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
-        cached = (weight, rows, {})
-        drafter.__dict__["_head_rows"] = cached
-    if not half:
-        return cached[1]
-    if "half" not in cached[2]:
-        cached[2]["half"] = HalfLinear(cached[1], None)
-    return cached[2]["half"]
+INT4_HEAD_ROWS = 4
+INT4_ROW_MULTIPLE = 16
 
 
-def draft_log_probs(head: torch.Tensor | HalfLinear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                     torch.Tensor]:
-    """Draft log-probs [n, V], their entropies [n] and log-normalisers [n] from drafter outputs
-    ``hidden`` [n, H].
+class DraftHeadProduct:
+    """``hidden [n, H] -> logits [n, V]`` (float32) under the rows [V, H] of the target's LM head that make a
+    drafter's vocabulary, read in the format that is fastest for the few rows drafted at once:
 
-    ``head`` [V, H] is the (draft-vocabulary) LM head, or its half-precision product
-    (:func:`draft_head_rows`); for a tensor, ``head @ hidden^T`` is the faster float32 CPU kernel for the few
-    rows drafted at a time (the weight read dominates).
+    - ``int4``: 4-bit codes of the rows (round to nearest, groups of 32), for a target that reads its layers as
+      int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows, where torch's int4 kernel is 2-3x the
+      dense bf16 product (docs/BENCHMARKS.md);
+    - ``packed``: oneDNN's product on a prepacked copy (:class:`~taps_ray.models.engine.Linear`), where the engine
+      packs its own products (CPU float32, or bf16 with native bf16): 2-4x ``mm`` at 1-16 rows;
+    - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16``;
+    - ``dense``: ``rows @ hidden^T``.
+
+    The head only proposes: a format changes which tokens are drafted, never which are accepted. ``int4``,
+    ``packed`` and ``half`` compute each row apart from the others in the call, so rows batched with other
+    sessions' rows equal the rows drafted alone; ``dense`` leaves that to the BLAS (float32 ``mm`` on CPU sums a
+    lone row in another order).
     """
-    if isinstance(head, HalfLinear):
-        logits = head(hidden.float())
-    else:
-        logits = (head @ hidden.to(head.dtype).T).T.float().contiguous()
+
+    def __init__(self, rows: torch.Tensor, kind: str):
+        if kind not in ("int4", "packed", "half", "dense"):
+            raise ValueError(f"draft head kind must be int4, packed, half or dense, got {kind!r}")
+        if rows.is_inference():  # gathered under inference mode: the products track their weight's version
+            with torch.inference_mode(False):
+                rows = rows.clone()
+        if kind == "int4" and rows.shape[1] % GROUP:
+            kind = "packed" if can_pack(rows.device, rows.dtype) else "dense"
+        self.rows, self.kind = rows, kind
+        self._product: Linear | Int4Linear | HalfLinear | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickles and copies without the packed product (made again on first use)."""
+        return {"rows": self.rows, "kind": self.kind, "_product": None}
+
+    def _made(self) -> Linear | Int4Linear | HalfLinear:
+        if self._product is None:
+            if self.kind == "int4":
+                padded = F.pad(self.rows, (0, 0, 0, -self.rows.shape[0] % INT4_ROW_MULTIPLE))
+                self._product = Int4Linear(quantize_rtn(padded), None, self.rows.dtype, padded)
+            elif self.kind == "packed":
+                self._product = Linear(self.rows, None, pack=True)
+            else:
+                self._product = HalfLinear(self.rows, None)
+        return self._product
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dense":
+            return (self.rows @ hidden.to(self.rows.dtype).T).T.float().contiguous()
+        product = self._made()
+        if self.kind == "half":
+            return product(hidden.float())
+        hidden = hidden.to(self.rows.dtype)
+        if self.kind != "int4":
+            return product(hidden).float()
+        vocab = self.rows.shape[0]
+        return torch.cat([product(part)[:, :vocab] for part in hidden.split(INT4_HEAD_ROWS)]).float()
+
+
+def draft_head_kind(target) -> str:
+    """The :class:`DraftHeadProduct` kind for drafting against ``target``: its weights' format where it has a
+    low-bit one, ``packed`` where its engine packs its products, else ``dense``."""
+    weights = getattr(target, "weights", "dense")
+    if weights in ("int4", "fp16"):
+        return "half" if weights == "fp16" else "int4"
+    engine = getattr(target, "engine", None)
+    return "packed" if engine is not None and engine.packed else "dense"
+
+
+def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, kind: str = "dense") -> DraftHeadProduct:
+    """The :class:`DraftHeadProduct` of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H] (the
+    whole of ``weight`` for the whole vocabulary), of ``kind`` (:func:`draft_head_kind`); made once per drafter,
+    head and kind and shared by its sessions."""
+    cached: tuple[torch.Tensor, dict[str, DraftHeadProduct]] | None = drafter.__dict__.get("_head_rows")
+    if cached is None or cached[0] is not weight:
+        cached = (weight, {})
+        drafter.__dict__["_head_rows"] = cached
+    if kind not in cached[1]:
+        rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
+        cached[1][kind] = DraftHeadProduct(rows.detach(), kind)
+    return cached[1][kind]
+
+
+def draft_log_probs(head: DraftHeadProduct, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft log-probs [n, V], their entropies [n] and log-normalisers [n] from drafter outputs
+    ``hidden`` [n, H] under the draft-vocabulary LM ``head`` (:func:`draft_head_rows`)."""
+    logits = head(hidden)
     logp = torch.log_softmax(logits, dim=-1)
     return logp, -(logp.exp() * logp).sum(-1), logits.amax(-1) - logp.amax(-1)

@@ -20,10 +20,16 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
-from taps_ray.models.quant import HalfLinear, read_linears_in_half
+from taps_ray.models.quant import read_linears_in_half
 from taps_ray.models.target import TargetModel, layer_columns
 from taps_ray.models.target_cache import crop_cache
-from taps_ray.spec.draft_compute import DIRECT, DraftCompute, draft_head_rows
+from taps_ray.spec.draft_compute import (
+    DIRECT,
+    DraftCompute,
+    DraftHeadProduct,
+    draft_head_kind,
+    draft_head_rows,
+)
 
 
 @dataclass
@@ -269,7 +275,7 @@ class DrafterState:
         self.columns = None if have == want else layer_columns(have, want, drafter.config.hidden_size)
         self.cache = drafter.new_cache()
         self.committed = 0
-        self.head: torch.Tensor | HalfLinear | None = None
+        self.head: DraftHeadProduct | None = None
         self._tokens: list[torch.Tensor] = []
         self._features: list[torch.Tensor] = []
         self._support: tuple | None = None
@@ -378,7 +384,7 @@ class _Candidates:
 
 
 def _commit_pending(drafter: DraftHead, target: TargetModel,
-                    state: DrafterState) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | HalfLinear]:
+                    state: DrafterState) -> tuple[torch.Tensor, torch.Tensor, int, DraftHeadProduct]:
     """Run the queued pairs into the drafter's cache: (the drafter's output [1, P, H], the root token [1],
     the committed length, the draft LM head)."""
     device = target.device
@@ -390,14 +396,14 @@ def _commit_pending(drafter: DraftHead, target: TargetModel,
                                 drafter.fuse(features[None].to(device, dtype)), positions, state.cache, None)
     state.committed = r
     if state.head is None:
-        half = getattr(target, "weights", "dense") == "fp16"
-        state.head = draft_head_rows(drafter, target.lm_head.weight, half)
-        if half:
+        kind = draft_head_kind(target)
+        state.head = draft_head_rows(drafter, target.lm_head.weight, kind)
+        if kind == "half":
             read_linears_in_half(drafter)
     return out, tokens[-1:], r, state.head
 
 
-def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, head: torch.Tensor | HalfLinear,
+def _expand(drafter: DraftHead, target: TargetModel, state: DrafterState, head: DraftHeadProduct,
             out: torch.Tensor, r: int,
             tree_cfg: TreeConfig, rows: bool) -> _Candidates:
     """The root's top-K children, then ``depth`` levels: the drafter on the K frontier nodes at once

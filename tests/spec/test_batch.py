@@ -31,7 +31,7 @@ from taps_ray.spec.batch import (
     head_batch,
 )
 from taps_ray.spec.decoder import generate
-from taps_ray.spec.draft_compute import draft_log_probs
+from taps_ray.spec.draft_compute import DraftHeadProduct, draft_log_probs
 from taps_ray.spec.protocol import SingleStrategy
 from taps_ray.spec.tree import DrafterState, build_tree, draft_tree
 from taps_ray.spec.verify import tree_attention
@@ -294,7 +294,8 @@ def test_draft_forward_batch_equals_one_drafter_forward_per_call(peaky_target):
 
 def test_head_batch_groups_calls_by_head():
     g = torch.Generator().manual_seed(0)
-    heads = [torch.randn(20, 8, generator=g), torch.randn(12, 8, generator=g)]
+    heads = [DraftHeadProduct(torch.randn(20, 8, generator=g), "dense"),
+             DraftHeadProduct(torch.randn(12, 8, generator=g), "dense")]
     calls = [(heads[i % 2], torch.randn(1 + i, 8, generator=g)) for i in range(5)]
     for (head, hidden), got in zip(calls, head_batch(calls)):
         for mine, theirs in zip(got, draft_log_probs(head, hidden)):

@@ -383,6 +383,15 @@ def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, m
         torch.set_num_threads(threads)
 
 
+def test_a_change_to_the_engines_code_measures_the_cost_model_again(monkeypatch, peaky_target):
+    key = fingerprint(peaky_target)
+    assert key["engine_code"] == cost_module.engine_revision() and len(key["engine_code"]) == 12
+    monkeypatch.setattr(cost_module, "engine_revision", lambda: "0" * 12)
+    changed = fingerprint(peaky_target)
+    assert changed["engine_code"] == "0" * 12
+    assert cost_module.cost_path(changed) != cost_module.cost_path(key)
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("steep", [False, True])
 def test_greedy_output_equals_vanilla_with_a_budget(name, steep, monkeypatch):

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from taps_ray.models.engine import can_pack
+from taps_ray.models.quant import quantize_rtn
+from taps_ray.spec.draft_compute import INT4_HEAD_ROWS, DraftHeadProduct, draft_head_kind, draft_log_probs
+
+
+def _rows(vocab: int = 300, hidden: int = 64, dtype=torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * 0.1).to(dtype)
+
+
+def _kinds() -> list[tuple[str, torch.dtype]]:
+    kinds = [("dense", torch.float32), ("dense", torch.bfloat16), ("half", torch.float32), ("int4", torch.bfloat16)]
+    kinds += [("packed", dtype) for dtype in (torch.float32, torch.bfloat16) if can_pack(torch.device("cpu"), dtype)]
+    return kinds
+
+
+@pytest.mark.parametrize("kind,dtype", _kinds())
+def test_every_kind_computes_each_row_as_if_drafted_alone(kind, dtype):
+    head = DraftHeadProduct(_rows(dtype=dtype), kind)
+    hidden = torch.randn(2 * INT4_HEAD_ROWS + 3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    together = head(hidden)
+    assert together.dtype == torch.float32 and together.shape == (hidden.shape[0], 300)
+    for start in range(hidden.shape[0]):
+        alone = head(hidden[start:start + 1])
+        if kind == "dense":
+            torch.testing.assert_close(alone, together[start:start + 1], rtol=1e-2, atol=1e-5)
+        else:
+            assert torch.equal(alone, together[start:start + 1])
+    exact = hidden.float() @ _rows(dtype=dtype).float().T
+    bound = 0.15 if kind == "int4" else 0.02  # int4: round-to-nearest codes, checked exactly below
+    assert float((together - exact).abs().max()) < bound * float(exact.abs().max())
+
+
+def test_int4_head_reads_the_round_to_nearest_codes_of_the_rows():
+    rows = _rows()
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    expected = hidden.float() @ quantize_rtn(rows).dequantize().T
+    torch.testing.assert_close(DraftHeadProduct(rows, "int4")(hidden), expected, rtol=0.02, atol=0.02)
+
+
+def test_int4_head_falls_back_where_the_rows_cannot_be_grouped():
+    head = DraftHeadProduct(_rows(hidden=40), "int4")
+    assert head.kind in ("packed", "dense")
+
+
+@pytest.mark.parametrize("kind,dtype", _kinds())
+def test_a_copy_drops_the_product_and_makes_it_again(kind, dtype):
+    import copy
+    import pickle
+
+    head = DraftHeadProduct(_rows(dtype=dtype), kind)
+    hidden = torch.randn(2, 64).to(dtype)
+    expected = head(hidden)
+    for other in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
+        assert other._product is None and torch.equal(other(hidden), expected)
+
+
+def test_unknown_kind_names_the_valid_ones():
+    with pytest.raises(ValueError, match="int4, packed, half or dense.*'fp8'"):
+        DraftHeadProduct(_rows(), "fp8")
+
+
+class _Target:
+    def __init__(self, weights, packed):
+        self.weights = weights
+        self.engine = None if packed is None else type("Engine", (), {"packed": packed})()
+
+
+@pytest.mark.parametrize("weights,packed,kind", [("int4", True, "int4"), ("fp16", None, "half"),
+                                                  ("dense", True, "packed"), ("dense", False, "dense"),
+                                                  ("dense", None, "dense")])
+def test_draft_head_kind_follows_the_targets_weights_and_engine(weights, packed, kind):
+    assert draft_head_kind(_Target(weights, packed)) == kind
+
+
+def test_log_probs_normalise_and_report_entropy():
+    head = DraftHeadProduct(_rows(dtype=torch.float32), "dense")
+    logp, entropy, lse = draft_log_probs(head, torch.randn(2, 64))
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2))
+    assert (entropy > 0).all() and lse.shape == (2,)
