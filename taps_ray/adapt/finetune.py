@@ -5,7 +5,9 @@
 (``ratio``: ``traffic_share`` of the rows from the traffic, the rest split evenly over the source
 drafter's original datasets, against forgetting; ``total``: ``adapt.rows``) and variant ``adapt-vN``
 (the source's algorithm and objective, ``train.init_from`` = the source). ``new`` trains a fresh specialist
-on the traffic alone. :func:`run_adapt` trains it with :func:`~taps_ray.train.launch.run_training` into the
+on the traffic alone. An EAGLE-3 source reads three target layers that serving does not capture: it trains on
+a copy of the traffic with them recomputed teacher forced (:func:`~taps_ray.data.capture.with_feature_layers`),
+deleted once the version is scored. :func:`run_adapt` trains it with :func:`~taps_ray.train.launch.run_training` into the
 experiment's run folder, then scores the source (before) and the new drafter (after), on the traffic,
 the source's own datasets and every other prepared dataset of the experiment (:func:`gate_domains`,
 ``guarded`` in the record: the gate must not let a version lose another served drafter's domain either),
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from taps_ray.runstate import atomic_copy, write_json
 log = logging.getLogger(__name__)
 
 MIXTURE = "adapt"
+ADAPTABLE = ("eagle2", "hass", "eagle3")
 VERSION_PREFIX = "adapt-v"
 TAU_KIND = ("simulated tau (1 + sum of the greedy unrolled top-1 accuracies' products over train.eval_depth draft "
             "positions) on held-out feature rows, as taps train reports it; not measured by decoding")
@@ -110,11 +114,7 @@ def adapt_experiment(cfg: ExperimentConfig, traffic: Path, source: str, meta: di
     raw = cfg.model_dump()
     raw["data"]["datasets"][TRAFFIC] = {"domain": TRAFFIC, "alternatives": [{"kind": "features", "path": str(traffic)}]}
     raw["mixtures"][MIXTURE] = {"ratio": ratio, "total": cfg.adapt.rows}
-    if meta.get("algorithm") == "eagle3" and not new:
-        raise AdaptError(f"drafter {source!r} is an EAGLE-3 drafter: taps adapt does not adapt EAGLE-3 drafters yet "
-                         f"(captured traffic stores the last hidden state only, EAGLE-3 reads three layers); "
-                         f"adapt an eagle2 or hass drafter, or pass --new")
-    algorithm = meta.get("algorithm") if meta.get("algorithm") in ("eagle2", "hass") else "eagle2"
+    algorithm = meta.get("algorithm") if meta.get("algorithm") in ADAPTABLE else "eagle2"
     objective = {k: v for k, v in (meta.get("objective") or {}).items()
                  if k in ObjectiveConfig.model_fields and k != "algorithm"}
     variant = {"name": f"{VERSION_PREFIX}{version}", "mixture": MIXTURE, "algorithm": "eagle2" if new else algorithm,
@@ -136,7 +136,7 @@ def heldout_tau(module, cfg: ExperimentConfig, variant: VariantConfig, sets: dic
     train = cfg.variant_train(variant)
     held = {n: split_rows(fs.rows, train.heldout_rows, train.heldout_seed)[0] for n, fs in sets.items()}
     embed, head = target.embed_tokens.weight.detach().cpu(), target.lm_head.weight.detach().cpu()
-    rows = heldout_rows(heldout_tables(sets, held), int(embed.shape[1]))
+    rows = heldout_rows(heldout_tables(sets, held), int(embed.shape[1]), module.row_layers)
     metrics = evaluate(module.float().eval(), rows, embed, head, variant.objective_config(), train.eval_depth,
                        train.batch_size, int(embed.shape[1]), [], torch.device("cpu"))
     return {n: round(float(metrics[f"heldout/{n}/tau"]), 4) for n in rows}
@@ -146,9 +146,11 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
               new: bool = False, out: str | Path | None = None, target=None) -> AdaptResult:
     """Train the next version of ``source`` on the traffic of ``traffic`` (see module docstring);
     ``share`` overrides ``adapt.traffic_share``; ``out``: also copy the version folder there."""
-    from taps_ray.data.feature_sets import load_feature_sets
+    from taps_ray.data.capture import with_feature_layers
+    from taps_ray.data.feature_sets import EAGLE3, load_feature_sets
     from taps_ray.drafter_sources import absolute_drafter_spec
     from taps_ray.models.drafter import DrafterLoadError, DraftHead
+    from taps_ray.models.target import TargetModel
     from taps_ray.train.launch import load_training_target, run_training
 
     if new and share is not None and share != 1.0:
@@ -168,20 +170,31 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
         raise AdaptError(f"traffic folder {str(traffic_set.path)!r} has {traffic_set.rows} row(s); adapt holds out "
                          f"train.heldout_rows={held} of them for the before/after tau, so it needs more than {held}")
     version = next_version(cfg.run_dir, meta)
-    adapted, variant = adapt_experiment(cfg, traffic_set.path, source, meta, share, new, version)
-    summary = run_training(adapted, [variant.name], target=target)
-    result = summary.variants[0]
-    if result.status != "ok":
-        raise AdaptError(f"training {variant.name} failed: {result.error}")
-    folder = Path(result.drafter_dir)
-    sets = load_feature_sets(adapted, fingerprint.to_dict(), {TRAFFIC})
-    originals = original_datasets(cfg, meta)
-    domains = gate_domains(originals, sets)
-    before = heldout_tau(parent, adapted, variant, sets, target)
-    after = heldout_tau(DraftHead.load(folder, target.config, fingerprint), adapted, variant, sets, target)
+    layered = None
+    if meta.get("algorithm") == "eagle3" and not new:
+        forward = target if isinstance(target, TargetModel) else TargetModel.load(cfg.target)
+        layered = with_feature_layers(traffic_set.path, cfg.run_dir / "adapt" / f"{VERSION_PREFIX}{version}-traffic",
+                                      forward, EAGLE3)
+    try:
+        adapted, variant = adapt_experiment(cfg, layered or traffic_set.path, source, meta, share, new, version)
+        summary = run_training(adapted, [variant.name], target=target)
+        result = summary.variants[0]
+        if result.status != "ok":
+            raise AdaptError(f"training {variant.name} failed: {result.error}")
+        folder = Path(result.drafter_dir)
+        sets = load_feature_sets(adapted, fingerprint.to_dict(), {TRAFFIC})
+        originals = original_datasets(cfg, meta)
+        domains = gate_domains(originals, sets)
+        before = heldout_tau(parent, adapted, variant, sets, target)
+        after = heldout_tau(DraftHead.load(folder, target.config, fingerprint), adapted, variant, sets, target)
+    finally:
+        if layered is not None:
+            shutil.rmtree(layered, ignore_errors=True)
     written = json.loads((folder / "config.json").read_text())
     counts = written["mixture"]["counts"]
     record = {"traffic": str(traffic_set.path), "traffic_rows": int(counts.get(TRAFFIC, 0)),
+              **({"traffic_layers": "recomputed teacher forced: the three EAGLE-3 layers and the last"}
+                 if layered is not None else {}),
               "traffic_rows_captured": traffic_set.rows, "traffic_share": 1.0 if new else share, "new": new,
               "rows": counts, "heldout_rows": adapted.variant_train(variant).heldout_rows,
               "guarded": [n for n in domains[1:] if n not in originals],

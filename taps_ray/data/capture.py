@@ -290,28 +290,59 @@ def fill_features(folder: Path, target) -> int:
     """Compute the features of a capture folder's token-only rows with ``target`` (one teacher-forced
     pass per row, as ``taps prepare`` computes them), rewrite their shards and mark the folder
     ``"features": true``; the rows filled."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     folder, filled = Path(folder), 0
     writer = CaptureWriter(CaptureConfig(), folder, target.fingerprint.to_dict())
     with writer._exclusive():
         manifest = writer._manifest()
         for name, shard in sorted(manifest["capture"]["shards"].items()):
-            if shard["features"]:
-                continue
-            table = pq.read_table(folder / name)
-            blobs = table.column("hidden").to_pylist()
-            for i, ids in enumerate(table.column("input_ids").to_pylist()):
-                if blobs[i] is None:
-                    with torch.inference_mode():
-                        hidden = target.hidden_states(torch.tensor([ids], device=target.device))[0]
-                    blobs[i] = hidden.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
-                    filled += 1
-            table = table.set_column(table.schema.get_field_index("hidden"), "hidden", pa.array(blobs, pa.binary()))
-            sink = io.BytesIO()
-            pq.write_table(table, sink)
-            atomic_write(folder / name, sink.getvalue())
-            shard.update(features=True, bytes=(folder / name).stat().st_size)
+            if not shard["features"]:
+                filled += _rewrite_hidden(folder / name, target, None, keep_present=True)
+                shard.update(features=True, bytes=(folder / name).stat().st_size)
         writer._write_manifest(manifest)
     return filled
+
+
+def with_feature_layers(folder: str | Path, into: str | Path, target, kind: str) -> Path:
+    """A frozen copy of the capture folder ``folder`` at ``into`` (:func:`snapshot`) whose rows store the target
+    hidden states of feature kind ``kind`` (:func:`~taps_ray.data.feature_sets.stored_layers`; ``eagle3``: the
+    three EAGLE-3 layers, then the last) instead of the last one alone, each row recomputed teacher forced with
+    ``target`` (serving captures the last hidden state only); its manifest lists them under ``layers``.
+    ``folder`` itself is untouched (the copy's shards are written anew, never through the snapshot's links)."""
+    from taps_ray.data.feature_sets import stored_layers
+
+    layers = stored_layers(kind, target.final_layer)
+    into = snapshot(folder, into)
+    manifest = json.loads((into / MANIFEST).read_text())
+    for name, shard in sorted(manifest["capture"]["shards"].items()):
+        _rewrite_hidden(into / name, target, layers, keep_present=False)
+        (into / name).chmod(PRIVATE_FILE)
+        shard.update(features=True, bytes=(into / name).stat().st_size)
+    shards = manifest["capture"]["shards"].values()
+    manifest.update(layers=list(layers), features=True,
+                    megabytes=round(sum(s["bytes"] for s in shards) / 2**20, 2))
+    write_json(into / MANIFEST, manifest).chmod(PRIVATE_FILE)
+    return into
+
+
+def _rewrite_hidden(path: Path, target, layers: tuple[int, ...] | None, keep_present: bool) -> int:
+    """Recompute the ``hidden`` column of the shard at ``path`` with ``target`` (teacher forced, one row at a time;
+    ``layers``: HF ``hidden_states`` indices, None the last one), for every row or, with ``keep_present``, only
+    rows without one; the shard is replaced by renaming over it. The rows computed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    blobs = table.column("hidden").to_pylist()
+    computed = 0
+    for i, ids in enumerate(table.column("input_ids").to_pylist()):
+        if keep_present and blobs[i] is not None:
+            continue
+        with torch.inference_mode():
+            hidden = target.hidden_states(torch.tensor([ids], device=target.device), layers=layers)[0]
+        blobs[i] = hidden.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+        computed += 1
+    table = table.set_column(table.schema.get_field_index("hidden"), "hidden", pa.array(blobs, pa.binary()))
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    atomic_write(path, sink.getvalue())
+    return computed

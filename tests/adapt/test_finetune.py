@@ -238,12 +238,63 @@ def test_the_watch_loop_adapts_every_n_captured_requests_promotes_through_the_ga
     verifier.pool.shutdown()
 
 
-def test_an_eagle3_source_is_refused_until_traffic_stores_its_layers(tmp_path):
+def test_an_eagle3_source_adapts_on_traffic_whose_eagle3_layers_are_recomputed(tmp_path, ray_session, monkeypatch):
+    """Serving captures the last hidden state alone; adapting an EAGLE-3 drafter recomputes the three EAGLE-3
+    layers and the last for every captured row in a copy it deletes afterwards (the capture folder is left as it
+    was), fine-tunes from the source on it and the source's own eagle3 feature sets, and scores before / after."""
+    from taps_ray.data.capture import with_feature_layers
+    from taps_ray.data.feature_sets import open_feature_set
+    from taps_ray.models.eagle3 import Eagle3Head, aux_layers
+
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
+    path, target = tiny_experiment(tmp_path, [{"name": "unused", "mixture": "math-only"}], layers=6)
+    eagle3_cfg = load_config(path, ["data.features.layers=eagle3"])
+    write_features(eagle3_cfg, target, "math", 36, seed=1, token_range=(2, 70))
+    write_features(eagle3_cfg, target, "chat", 36, seed=2, token_range=(40, VOCAB))
+    source = tmp_path / "source"
+    Eagle3Head(target.config, seed=5).save(source, target.fingerprint, extra={
+        "algorithm": "eagle3", "data": {"math": {}, "chat": {}}, "objective": {"ttt_steps": 2}})
+    traffic = tmp_path / "traffic"
+    verifier = make_verifier(target, {"a": oracle_drafter(target)},
+                             CaptureConfig(enabled=True, dir=str(traffic), rows_per_shard=8, mode="all"))
+    for prompt in captured_prompts():
+        decode(verifier, prompt)
+    verifier.capture.flush()
+    verifier.pool.shutdown()
+    shards = {p.name: p.read_bytes() for p in traffic.glob("*.parquet")}
+
+    layers = [i + 1 for i in aux_layers(6)] + [6]
+    copy = with_feature_layers(traffic, tmp_path / "layered", target, "eagle3")
+    layered = open_feature_set(copy, target.fingerprint.to_dict(), TRAFFIC)
+    assert layered.layers == layers and layered.rows == CAPTURED
+    import pyarrow.parquet as pq
+
+    from taps_ray.data.feature_sets import decode_row
+    row = pq.read_table(layered.shard_paths()).to_pylist()[0]
+    decoded = decode_row(row, HIDDEN, 4)
+    expected = target.hidden_states(decoded["input_ids"][None], layers=tuple(layers))[0].to(torch.bfloat16)
+    assert torch.equal(decoded["hidden"], expected)
+    assert {p.name: p.read_bytes() for p in traffic.glob("*.parquet")} == shards
+
+    cfg = load_config(path, ["train.epochs=1"])
+    result = run_adapt(cfg, traffic, str(source), share=0.5)
+    meta = json.loads((result.out / "config.json").read_text())
+    assert meta["algorithm"] == "eagle3" and meta["objective"]["ttt_steps"] == 2
+    assert meta["init_from"] == str(source) and meta["adapt"]["rows"] == {"chat": 10, "math": 10, TRAFFIC: 20}
+    assert "EAGLE-3 layers" in meta["adapt"]["traffic_layers"]
+    assert set(meta["adapt"]["tau"]) == {TRAFFIC, "math", "chat"}
+    assert all(t["before"] > 0 and t["after"] > 0 for t in meta["adapt"]["tau"].values())
+    assert isinstance(DraftHead.load(result.out, target.config, target.fingerprint), Eagle3Head)
+    assert not (cfg.run_dir / "adapt" / "adapt-v1-traffic").exists()
+    assert {p.name: p.read_bytes() for p in traffic.glob("*.parquet")} == shards
+
+
+def test_a_fresh_specialist_is_an_eagle2_drafter_whatever_the_source(tmp_path):
     from taps_ray.adapt.finetune import adapt_experiment
 
     cfg = load_config(None, ["data.datasets={math: {domain: math, alternatives: [{kind: gsm8k_test_split}]}}"])
     meta = {"algorithm": "eagle3", "data": ["math"], "objective": {"ttt_steps": 2}}
-    with pytest.raises(AdaptError, match="is an EAGLE-3 drafter: taps adapt does not adapt EAGLE-3 drafters yet"):
-        adapt_experiment(cfg, tmp_path, "runs/x/drafters/e3", meta, 0.5, False, 1)
+    _, variant = adapt_experiment(cfg, tmp_path, "runs/x/drafters/e3", meta, 0.5, False, 1)
+    assert variant.algorithm == "eagle3" and variant.objective_config().ttt_steps == 2
     _, variant = adapt_experiment(cfg, tmp_path, "runs/x/drafters/e3", meta, 1.0, True, 1)
     assert variant.algorithm == "eagle2"

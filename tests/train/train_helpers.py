@@ -15,7 +15,14 @@ import yaml
 
 from taps_ray.config import ExperimentConfig, load_config
 from taps_ray.data.contamination import prompt_hash, write_feature_prompts
-from taps_ray.data.feature_sets import FORMAT_VERSION, MANIFEST, feature_set_path
+from taps_ray.data.feature_sets import (
+    FORMAT_VERSION,
+    LAST,
+    MANIFEST,
+    feature_kind,
+    feature_set_path,
+    stored_layers,
+)
 from taps_ray.models.target import TargetModel
 from tests.conftest import make_tiny_target
 
@@ -23,14 +30,15 @@ VOCAB = 128
 HIDDEN = 32
 
 
-def save_tiny_target(folder: Path) -> TargetModel:
-    """Save a seeded tiny Llama and a word-level tokenizer to ``folder``; return it loaded from there."""
+def save_tiny_target(folder: Path, layers: int = 2) -> TargetModel:
+    """Save a seeded tiny Llama of ``layers`` layers and a word-level tokenizer to ``folder``; return it loaded
+    from there."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    target = make_tiny_target(7, vocab_size=VOCAB, hidden_size=HIDDEN)
+    target = make_tiny_target(7, vocab_size=VOCAB, hidden_size=HIDDEN, layers=layers)
     target.model.save_pretrained(folder)
     vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="</s>"))
@@ -45,7 +53,10 @@ def write_features(cfg: ExperimentConfig, target: TargetModel, name: str, rows: 
                    token_range: tuple[int, int]) -> Path:
     """A complete feature set of ``rows`` random conversations (prompt, then an assistant span
     ending in EOS; row ``i``'s prompt recorded as ``"<name> question <i>"``) in the cache folder
-    ``cfg`` and ``target`` resolve to."""
+    ``cfg`` and ``target`` resolve to, storing the hidden states of the kind ``cfg`` gives the dataset
+    (:func:`~taps_ray.data.feature_sets.feature_kind`)."""
+    kind = feature_kind(cfg, name)
+    layers = stored_layers(kind, target.final_layer)
     g = torch.Generator().manual_seed(seed)
     out = feature_set_path(cfg, name, target.fingerprint.to_dict())
     out.mkdir(parents=True, exist_ok=True)
@@ -57,7 +68,7 @@ def write_features(cfg: ExperimentConfig, target: TargetModel, name: str, rows: 
         ids[0], ids[-1] = 0, 1
         mask = torch.zeros(length, dtype=torch.int8)
         mask[prompt:] = 1
-        hidden = target.hidden_states(ids[None])[0].to(torch.bfloat16)
+        hidden = target.hidden_states(ids[None], layers=layers)[0].to(torch.bfloat16)
         records.append({"row_id": row_id, "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "length": length,
                         "hidden": hidden.contiguous().view(torch.int16).numpy().tobytes()})
     schema = pa.schema([("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
@@ -67,7 +78,7 @@ def write_features(cfg: ExperimentConfig, target: TargetModel, name: str, rows: 
         pq.write_table(pa.Table.from_pylist(part, schema=schema), out / f"part-{i}.parquet")
     manifest = {"dataset": name, "origin": f"synthetic {name}", "rows": rows,
                 "tokens": sum(r["length"] for r in records), "target": target.fingerprint.to_dict(),
-                "format": FORMAT_VERSION}
+                "format": FORMAT_VERSION, **({} if kind == LAST else {"layers": list(layers)})}
     write_feature_prompts(out, [prompt_hash(f"{name} question {row_id}") for row_id in range(rows)])
     (out / MANIFEST).write_text(json.dumps(manifest))
     return out
@@ -96,11 +107,11 @@ def write_config(tmp_path: Path, target_dir: Path, variants: list[dict], **secti
     return path
 
 
-def tiny_experiment(tmp_path: Path, variants: list[dict], **sections) -> tuple[Path, TargetModel]:
-    """Target folder, features for ``math`` and ``chat`` under ``$TAPS_CACHE`` (must point into
-    ``tmp_path``) and a config file; returns (config path, target)."""
+def tiny_experiment(tmp_path: Path, variants: list[dict], layers: int = 2, **sections) -> tuple[Path, TargetModel]:
+    """Target folder (``layers`` layers), features for ``math`` and ``chat`` under ``$TAPS_CACHE`` (must point
+    into ``tmp_path``) and a config file; returns (config path, target)."""
     assert str(os.environ.get("TAPS_CACHE", "")).startswith(str(tmp_path))
-    target = save_tiny_target(tmp_path / "target")
+    target = save_tiny_target(tmp_path / "target", layers)
     path = write_config(tmp_path, tmp_path / "target", variants, **sections)
     cfg = load_config(path)
     write_features(cfg, target, "math", 36, seed=1, token_range=(2, 70))
