@@ -80,3 +80,31 @@ def test_taps_train_trains_an_eagle3_drafter_that_decodes_losslessly(run, embedd
     vanilla = generate(embedded_target, prompt, max_new_tokens=24)
     spec = generate(embedded_target, prompt, build_strategy("single", [drafter]), max_new_tokens=24)
     assert spec.token_ids == vanilla.token_ids
+
+
+def test_two_workers_train_one_eagle3_drafter(tmp_path, ray_session, monkeypatch):
+    """``train.num_workers: 2`` on EAGLE-3: two Ray Train workers each unroll training-time test on their shard
+    through one DDP-wrapped drafter; rank 0 saves an Eagle3Head that moved from its initialisation, with held-out
+    metrics."""
+    from tests.train.train_helpers import drafter_tensors, tiny_experiment
+
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
+    variant = {"name": "e3x2", "mixture": "math-only", "algorithm": "eagle3", "objective": {"ttt_steps": 2},
+               "train": {"num_workers": 2}}
+    path, target = tiny_experiment(tmp_path, [variant], layers=6, data={
+        "datasets": {n: {"domain": n, "alternatives": [{"kind": "jsonl", "path": f"/missing/{n}.jsonl"}]}
+                     for n in ("math", "chat")}, "features": {"max_len": 64, "layers": "eagle3"}})
+    cfg = load_config(path)
+    summary = run_training(cfg, target=target)
+    assert [(r.variant, r.algorithm, r.status) for r in summary.variants] == [("e3x2", "eagle3", "ok")]
+    folder = cfg.run_dir / "drafters" / "e3x2"
+    meta = read_drafter_meta(folder)
+    assert meta["algorithm"] == "eagle3" and meta["train"]["num_workers"] == 2 and meta["training"]["final"]
+    drafter = DraftHead.load(folder, target.config, target.fingerprint)
+    assert type(drafter) is Eagle3Head
+    fresh = Eagle3Head(target.config, draft_to_target=drafter.draft_to_target, seed=cfg.drafter.seed)
+    moved = drafter_tensors(folder)
+    assert any(not torch.allclose(torch.from_numpy(moved[name]).float(), tensor.float())
+               for name, tensor in fresh.state_dict().items() if name in moved)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert any("heldout/tau" in r for r in records)
