@@ -239,10 +239,10 @@ class Int4Linear:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
         self.scale_zero = torch.stack([weight.scale.T, (weight.minimum + 8 * weight.scale).T], dim=-1).to(dtype).contiguous()
         self.bias = bias
-        self.source, self._key = source, _identity(source)
+        self.source, self._key = source, tensor_identity(source)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if _identity(self.source) != self._key:
+        if tensor_identity(self.source) != self._key:
             raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
                                "(or use target.weights=dense)")
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
@@ -261,10 +261,10 @@ class HalfLinear:
             weight.detach().float().contiguous(), None if bias is None else bias.detach().float())
         self.weight, self.bias = weight, bias
         self.in_features = weight.shape[1]
-        self._key = _identity(weight)
+        self._key = tensor_identity(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if _identity(self.weight) != self._key:
+        if tensor_identity(self.weight) != self._key:
             raise RuntimeError("the target's weights changed after they were packed to fp16; reload the target "
                                "(or use target.weights=dense)")
         rows = x.shape[0]
@@ -295,7 +295,7 @@ class HalfLinearForward:
         if (torch.is_grad_enabled() and weight.requires_grad) or x.dtype != torch.float32 or weight.device.type != "cpu" \
                 or weight.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        key = (_identity(weight), None if bias is None else _identity(bias))
+        key = (tensor_identity(weight), None if bias is None else tensor_identity(bias))
         if key != self._key:
             self._product, self._key = HalfLinear(weight, bias), key
         return self._product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -348,7 +348,7 @@ def half_row_counts() -> list[int]:
     return counts
 
 
-def _identity(tensor: torch.Tensor) -> tuple[int, int | None]:
+def tensor_identity(tensor: torch.Tensor) -> tuple[int, int | None]:
     """(storage address, version) of ``tensor``; an inference tensor keeps no version (it cannot change in place
     outside inference mode)."""
     return tensor.data_ptr(), None if tensor.is_inference() else tensor._version

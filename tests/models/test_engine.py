@@ -64,3 +64,36 @@ def test_packed_bfloat16_product_follows_its_weight():
         torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=0.05, rtol=0.02)
         weight.mul_(2.0)
         torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=0.1, rtol=0.02)
+
+
+def test_drafter_linears_read_packed_weights_outside_autograd_and_follow_them():
+    import copy
+    import pickle
+
+    from taps_ray.models.engine import PackedLinearForward, read_linears_packed
+
+    module = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), torch.nn.Linear(48, 16, bias=False))
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        expected = module(x)
+    read_linears_packed(module)
+    read_linears_packed(module)  # idempotent
+    forwards = [sub.__dict__["forward"] for sub in module if isinstance(sub, torch.nn.Linear)]
+    assert all(isinstance(f, PackedLinearForward) for f in forwards)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
+        if can_pack(torch.device("cpu"), torch.float32):
+            assert forwards[0]._product is not None
+    out = module(x)  # training path: autograd through F.linear, gradients reach the weights
+    out.sum().backward()
+    assert module[0].weight.grad is not None
+    with torch.no_grad():
+        module[0].weight.mul_(2.0)
+        changed = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(
+            x, module[0].weight, module[0].bias)), module[2].weight)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), changed, atol=1e-5, rtol=1e-5)
+    for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert other[0].__dict__["forward"]._product is None
+        with torch.inference_mode():
+            torch.testing.assert_close(other(x), changed, atol=1e-5, rtol=1e-5)
