@@ -132,7 +132,7 @@ def engine_revision() -> str:
 
     digest = hashlib.sha256()
     for module in (engine, quant, attention):
-        digest.update(Path(module.__file__).read_bytes())
+        digest.update(Path(str(module.__file__)).read_bytes())
     return digest.hexdigest()[:12]
 
 
