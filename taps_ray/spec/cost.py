@@ -36,6 +36,7 @@ configured depth every ``explore_every``-th drafted step, so the deeper levels s
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -74,9 +75,18 @@ class CostModel:
         x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
+    def verify_one(self, nodes: float) -> float:
+        """:meth:`verify` of one node count, in plain Python (the same float64 arithmetic, a few microseconds:
+        a budget asks it for every request at every step)."""
+        xs, ys = self.nodes, self.verify_s
+        n = float(nodes)
+        upper = min(max(bisect.bisect_left(xs, max(n, xs[0])), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
     @property
     def plain_s(self) -> float:
-        return float(self.verify(1))
+        return self.verify_one(1)
 
     def relative(self) -> dict[int, float]:
         """Verification cost of each grid size relative to a plain step."""
@@ -330,7 +340,7 @@ class TreeBudget:
         """Whether drafting, as recently observed at its best depth, beats a plain step beside ``others`` (see
         :meth:`should_draft`)."""
         rows, tokens, waits, peers = Others(*others)
-        plain = (1 + peers + tokens) / (waits + self.scale * float(self._cost().verify(rows + 1 + peers)))
+        plain = (1 + peers + tokens) / (waits + self.scale * self._cost().verify_one(rows + 1 + peers))
         rates = self._depth_rates(others)
         return not rates or max(rates.values()) >= plain
 
@@ -351,7 +361,7 @@ class TreeBudget:
         rows, tokens, waits, peers = Others(*others)
         n = 1 + peers
         return {d: (n * s.gain + tokens) / (waits + n * self._draft_s(d)
-                                             + self.scale * float(self._cost().verify(rows + n * s.nodes)))
+                                             + self.scale * self._cost().verify_one(rows + n * s.nodes))
                 for d, s in self._depths.items() if s.seen}
 
     def depth(self, others: tuple = Others()) -> int | None:
@@ -435,7 +445,7 @@ class TreeBudget:
         the ``rows`` of other requests in it (they update :attr:`scale`)."""
         w = 0.8
         if verify_s is not None:
-            ratio = verify_s / max(float(self._cost().verify(rows + (1 if tree is None else tree.size))), 1e-9)
+            ratio = verify_s / max(self._cost().verify_one(rows + (1 if tree is None else tree.size)), 1e-9)
             self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio
             self._scaled += 1
         if tree is None or path is None:

@@ -32,6 +32,13 @@ def test_verify_interpolates_between_and_beyond_the_grid():
     assert "plain step 1000.0 ms" in model.summary()
 
 
+def test_verify_one_is_verify_of_one_count_to_the_bit():
+    model = _model([0.0123, 0.0151, 0.0197, 0.0402, 0.0817])
+    counts = [0, 0.5, 1, 1.3, 2, 3, 4, 5.75, 8, 11, 16, 17, 40, 64.5, 1000]
+    assert [model.verify_one(n) for n in counts] == model.verify(torch.tensor(counts, dtype=torch.float64)).tolist()
+    assert model.plain_s == model.verify_one(1) == 0.0123
+
+
 def _tree(scores: list[float]):
     n = len(scores) + 1
     return build_tree(list(range(2, 2 + n)), [-1] + [0] * (n - 1), score=[0.0] + scores)
