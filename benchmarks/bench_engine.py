@@ -5,6 +5,7 @@ weights (where they run: float32 on a CPU with fbgemm).
 
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
     python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
+    python benchmarks/bench_engine.py --attention --rows 1,4,8,16 --cached 150,400,800   # one attention call
 
 Each row count n is one forward of n tokens (a chain of tree nodes, the LM head included) after the
 prompt's cache, the mean of ``--repeats`` after one warm-up, the variants interleaved. Prints one
@@ -14,7 +15,12 @@ line per n, and the weight-read floor (every weight read once) measured in the s
 fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
 fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked,
 int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations) and fp16 weights through fbgemm
-with fp32 activations (:class:`~taps_ray.models.quant.HalfLinear`): which formats pay here."""
+with fp32 activations (:class:`~taps_ray.models.quant.HalfLinear`): which formats pay here.
+
+``--attention``: one ``scaled_dot_product_attention`` call of the embedded target's shape (9 query and 3 kv heads
+of 64) for n new rows after each ``--cached`` length, keys and values in bf16 and in float32 (the query cast to
+theirs, the output cast back to bf16, as the engine does), microseconds, the best of 3 rounds of 200 calls,
+the two interleaved: why a bf16 target's KV cache is float32 on CPU (``engine.attention_dtype``)."""
 
 from __future__ import annotations
 
@@ -128,13 +134,41 @@ def products(rows: list[int], repeats: int) -> None:
         print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
 
 
+def attention(rows: list[int], cached: list[int]) -> None:
+    heads, kv_heads, dim = 9, 3, 64
+    print("cached | rows | bf16 us | float32 us")
+    for past in cached:
+        for n in rows:
+            best = {}
+            for _ in range(3):
+                for dtype in (torch.bfloat16, torch.float32):
+                    q = torch.randn(1, heads, n, dim, dtype=torch.bfloat16)
+                    k = torch.randn(1, kv_heads, past + n, dim, dtype=dtype)
+                    v = torch.randn(1, kv_heads, past + n, dim, dtype=dtype)
+                    mask = torch.zeros(n, past + n, dtype=dtype) if n > 1 else None
+                    for _ in range(10):
+                        F.scaled_dot_product_attention(q.to(dtype), k, v, attn_mask=mask, enable_gqa=True)
+                    start = time.perf_counter()
+                    for _ in range(200):
+                        F.scaled_dot_product_attention(q.to(dtype), k, v, attn_mask=mask,
+                                                       enable_gqa=True).to(torch.bfloat16)
+                    spent = 1e6 * (time.perf_counter() - start) / 200
+                    best[dtype] = min(best.get(dtype, spent), spent)
+            print(f"{past} | {n} | {best[torch.bfloat16]:.0f} | {best[torch.float32]:.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rows", default="1,2,4,8,16,24,32")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--products", action="store_true", help="time the layers' products per weight format")
+    parser.add_argument("--attention", action="store_true", help="time one attention call in bf16 and float32")
+    parser.add_argument("--cached", default="150,400,800", help="--attention: cached lengths")
     args = parser.parse_args()
+    if args.attention:
+        attention([int(r) for r in args.rows.split(",")], [int(c) for c in args.cached.split(",")])
+        return
     if args.products:
         products([int(r) for r in args.rows.split(",")], min(args.repeats, 5))
         return
