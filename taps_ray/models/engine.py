@@ -28,7 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from taps_ray.models.quant import HalfLinear, Int4Linear, Int4Weight, half_rows, quantize_rtn, tensor_identity
+from taps_ray.models.quant import (
+    HalfLinear,
+    Int4Linear,
+    Int4Weight,
+    LinearForward,
+    half_rows,
+    install_forwards,
+    quantize_rtn,
+)
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
@@ -168,41 +176,22 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-class PackedLinearForward:
-    """A drafter ``nn.Linear``'s forward, installed by :func:`read_linears_packed`: without autograd, on a CPU input
-    of the weight's dtype where :func:`can_pack`, oneDNN's product on a prepacked copy of the weight
-    (:class:`Linear`, made again whenever the weight or bias is replaced or changed in place); otherwise (training,
-    another device or dtype) ``F.linear`` as before. Pickles and copies without the packed copy."""
+class PackedLinearForward(LinearForward):
+    """On a CPU input of the weight's dtype where :func:`can_pack`, oneDNN's product on a prepacked copy of the
+    weight (:class:`Linear`)."""
 
-    def __init__(self, module: torch.nn.Linear):
-        self.module = module
-        self._product: Linear | None = None
-        self._key: tuple | None = None
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.dtype == weight.dtype and can_pack(weight.device, weight.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.module.weight, self.module.bias
-        if (torch.is_grad_enabled() and weight.requires_grad) or x.dtype != weight.dtype \
-                or not can_pack(weight.device, weight.dtype):
-            return F.linear(x, weight, bias)
-        key = (tensor_identity(weight), None if bias is None else tensor_identity(bias))
-        if key != self._key:
-            self._product, self._key = Linear(weight.detach(), None if bias is None else bias.detach(), pack=True), key
-        return self._product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-
-    def __getstate__(self) -> dict:
-        return {"module": self.module}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["module"])
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight.detach(), None if bias is None else bias.detach(), pack=True)
 
 
 def read_linears_packed(module: torch.nn.Module) -> None:
     """Make every ``nn.Linear`` of ``module`` (a drafter) compute, outside autograd, through oneDNN on a prepacked
-    copy of its weight (:class:`PackedLinearForward`); idempotent. On CPU, a bf16 ``F.linear`` reorders its weight
-    on every call: 5-10x a packed product at the 1-3 rows a drafter runs (docs/BENCHMARKS.md)."""
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Linear) and not isinstance(sub.__dict__.get("forward"), PackedLinearForward):
-            sub.forward = PackedLinearForward(sub)
+    copy of its weight (:class:`PackedLinearForward`); idempotent. A bf16 ``F.linear`` on CPU reorders its weight
+    on every call: packed, a drafter forward takes 11-25% less at 1-8 rows (docs/BENCHMARKS.md)."""
+    install_forwards(module, PackedLinearForward)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -279,25 +279,30 @@ class HalfLinear:
         return self.weight.detach().half()
 
 
-class HalfLinearForward:
-    """A drafter ``nn.Linear``'s forward, installed by :func:`read_linears_in_half`: without autograd, on a CPU
-    float32 input, the product of a :class:`HalfLinear` made (again) whenever the weight or bias changes;
-    otherwise (training, another device or dtype) ``F.linear`` as before. Pickles and copies without the
-    packed copy (made again on first use)."""
+class LinearForward:
+    """A drafter ``nn.Linear``'s forward (installed by :func:`install_forwards`): without autograd, where
+    :meth:`applies`, the product :meth:`make` builds from the weight and bias, made again whenever either is replaced
+    or changed in place; otherwise (training, another device or dtype) ``F.linear`` as before. Pickles and copies
+    without the product (made again on first use)."""
 
     def __init__(self, module: torch.nn.Linear):
         self.module = module
-        self._product: HalfLinear | None = None
+        self._product = None
         self._key: tuple | None = None
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if (torch.is_grad_enabled() and weight.requires_grad) or x.dtype != torch.float32 or weight.device.type != "cpu" \
-                or weight.dtype != torch.float32:
+        if (torch.is_grad_enabled() and weight.requires_grad) or not self.applies(x, weight):
             return F.linear(x, weight, bias)
         key = (tensor_identity(weight), None if bias is None else tensor_identity(bias))
         if key != self._key:
-            self._product, self._key = HalfLinear(weight, bias), key
+            self._product, self._key = self.make(weight, bias), key
         return self._product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def __getstate__(self) -> dict:
@@ -307,14 +312,29 @@ class HalfLinearForward:
         self.__init__(state["module"])
 
 
+def install_forwards(module: torch.nn.Module, kind: type[LinearForward]) -> None:
+    """Give every ``nn.Linear`` of ``module`` a ``kind`` forward; idempotent."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear) and not isinstance(sub.__dict__.get("forward"), kind):
+            sub.forward = kind(sub)
+
+
+class HalfLinearForward(LinearForward):
+    """On a CPU float32 input and weight, the product of a :class:`HalfLinear` (half-precision weights)."""
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and weight.device.type == "cpu" and weight.dtype == torch.float32
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> HalfLinear:
+        return HalfLinear(weight, bias)
+
+
 def read_linears_in_half(module: torch.nn.Module) -> None:
     """Make every ``nn.Linear`` of ``module`` (a drafter) compute, outside autograd, on half-precision weights
     (:class:`HalfLinearForward`); idempotent. For a target that reads its own weights in fp16: the drafter's
     products are then as cheap as the target's (MKL's float32 GEMM is 2-4x slower at the 1-3 rows a drafter
     runs on the CPUs measured, docs/BENCHMARKS.md)."""
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Linear) and not isinstance(sub.__dict__.get("forward"), HalfLinearForward):
-            sub.forward = HalfLinearForward(sub)
+    install_forwards(module, HalfLinearForward)
 
 
 _row_counts: dict[int, list[int]] = {}
