@@ -22,6 +22,7 @@ Shapes: ``N`` output features, ``K`` input features, ``G = K / GROUP`` groups pe
 
 from __future__ import annotations
 
+import abc
 import mmap
 import struct
 from dataclasses import dataclass
@@ -279,7 +280,7 @@ class HalfLinear:
         return self.weight.detach().half()
 
 
-class LinearForward:
+class LinearForward(abc.ABC):
     """A drafter ``nn.Linear``'s forward (installed by :func:`install_forwards`): without autograd, where
     :meth:`applies`, the product :meth:`make` builds from the weight and bias, made again whenever either is replaced
     or changed in place; otherwise (training, another device or dtype) ``F.linear`` as before. Pickles and copies
@@ -290,11 +291,13 @@ class LinearForward:
         self._product = None
         self._key: tuple | None = None
 
+    @abc.abstractmethod
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        raise NotImplementedError
+        """Whether this input and weight take the product (else ``F.linear``)."""
 
+    @abc.abstractmethod
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        raise NotImplementedError
+        """The product ``x [T, in] -> [T, out]`` of ``weight`` and ``bias``."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias

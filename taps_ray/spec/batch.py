@@ -220,8 +220,9 @@ def draft_forward_batch(calls: list[DraftCall]) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def head_batch(calls: list[tuple[DraftHeadProduct, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
-    """:func:`~taps_ray.spec.draft_compute.draft_log_probs` of each ``(head [V, H], hidden [n_i, H])``, one
-    product per distinct head (rows of calls sharing a head stacked)."""
+    """:func:`~taps_ray.spec.draft_compute.draft_log_probs` of each ``(head, hidden [n_i, H])`` (``head`` a
+    :class:`~taps_ray.spec.draft_compute.DraftHeadProduct`), one product per distinct head (rows of calls sharing a
+    head stacked)."""
     out: list = [None] * len(calls)
     groups: dict[int, list[int]] = {}
     for i, (head, _) in enumerate(calls):

@@ -37,6 +37,7 @@ configured depth every ``explore_every``-th drafted step, so the deeper levels s
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -135,9 +136,11 @@ def fingerprint(target) -> dict:
                        "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
 
 
+@functools.cache
 def engine_revision() -> str:
     """A hash of the source of the modules that run a verification forward (the static engine, its products,
-    the transformers attention hook): a change to the engine's code measures the cost model again."""
+    the transformers attention hook): a change to the engine's code measures the cost model again. Read once per
+process."""
     from taps_ray.models import attention, engine, quant
 
     digest = hashlib.sha256()

@@ -93,8 +93,9 @@ class DraftHeadProduct:
         hidden = hidden.to(self.rows.dtype)
         if self.kind != "int4":
             return product(hidden).float()
-        vocab = self.rows.shape[0]
-        return torch.cat([product(part)[:, :vocab] for part in hidden.split(INT4_HEAD_ROWS)]).float()
+        parts = [product(part) for part in hidden.split(INT4_HEAD_ROWS)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return logits[:, :self.rows.shape[0]].float()
 
 
 def draft_head_kind(target) -> str:
