@@ -45,10 +45,10 @@ class DraftHeadProduct:
     drafter's vocabulary, read in the format that is fastest for the few rows drafted at once:
 
     - ``int4``: 4-bit codes of the rows (round to nearest, groups of 32), for a target that reads its layers as
-      int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows, where torch's int4 kernel is 2-3x the
-      dense bf16 product (docs/BENCHMARKS.md);
+      int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows, where torch's int4 kernel is 1.8-2.9x the
+      packed bf16 product at 1-3 rows and slower from 8 (docs/BENCHMARKS.md, "Drafting, per call");
     - ``packed``: oneDNN's product on a prepacked copy (:class:`~taps_ray.models.engine.Linear`), where the engine
-      packs its own products (CPU float32, or bf16 with native bf16): 2-4x ``mm`` at 1-16 rows;
+      packs its own products (CPU float32, or bf16 with native bf16): 1.8-2.4x a bf16 ``mm`` at 1-8 rows;
     - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16``;
     - ``dense``: ``rows @ hidden^T``.
 
