@@ -142,15 +142,24 @@ def heldout_tau(module, cfg: ExperimentConfig, variant: VariantConfig, sets: dic
     return {n: round(float(metrics[f"heldout/{n}/tau"]), 4) for n in rows}
 
 
+def _eagle3_traffic(cfg: ExperimentConfig, traffic: Path, target, version: int) -> Path:
+    """A copy of the captured ``traffic`` (last hidden state only) with the three EAGLE-3 layers and the
+    last recomputed teacher forced, under ``<run>/adapt/``; the caller deletes it."""
+    from taps_ray.data.capture import with_feature_layers
+    from taps_ray.data.feature_sets import EAGLE3
+    from taps_ray.models.target import TargetModel
+
+    forward = target if isinstance(target, TargetModel) else TargetModel.load(cfg.target)
+    return with_feature_layers(traffic, cfg.run_dir / "adapt" / f"{VERSION_PREFIX}{version}-traffic", forward, EAGLE3)
+
+
 def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: float | None = None,
               new: bool = False, out: str | Path | None = None, target=None) -> AdaptResult:
     """Train the next version of ``source`` on the traffic of ``traffic`` (see module docstring);
     ``share`` overrides ``adapt.traffic_share``; ``out``: also copy the version folder there."""
-    from taps_ray.data.capture import with_feature_layers
-    from taps_ray.data.feature_sets import EAGLE3, load_feature_sets
+    from taps_ray.data.feature_sets import load_feature_sets
     from taps_ray.drafter_sources import absolute_drafter_spec
     from taps_ray.models.drafter import DrafterLoadError, DraftHead
-    from taps_ray.models.target import TargetModel
     from taps_ray.train.launch import load_training_target, run_training
 
     if new and share is not None and share != 1.0:
@@ -170,11 +179,8 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
         raise AdaptError(f"traffic folder {str(traffic_set.path)!r} has {traffic_set.rows} row(s); adapt holds out "
                          f"train.heldout_rows={held} of them for the before/after tau, so it needs more than {held}")
     version = next_version(cfg.run_dir, meta)
-    layered = None
-    if meta.get("algorithm") == "eagle3" and not new:
-        forward = target if isinstance(target, TargetModel) else TargetModel.load(cfg.target)
-        layered = with_feature_layers(traffic_set.path, cfg.run_dir / "adapt" / f"{VERSION_PREFIX}{version}-traffic",
-                                      forward, EAGLE3)
+    eagle3 = meta.get("algorithm") == "eagle3" and not new
+    layered = _eagle3_traffic(cfg, traffic_set.path, target, version) if eagle3 else None
     try:
         adapted, variant = adapt_experiment(cfg, layered or traffic_set.path, source, meta, share, new, version)
         summary = run_training(adapted, [variant.name], target=target)
@@ -201,14 +207,20 @@ def run_adapt(cfg: ExperimentConfig, traffic: str | Path, source: str, share: fl
               "tau": {n: {"before": before[n], "after": after[n]} for n in domains}, "tau_kind": TAU_KIND}
     write_json(folder / "config.json", {**written, "version": version, "parent": source, "adapt": record})
     (folder / "README.md").write_text(model_card(variant.name, version, source, record, written))
-    target_dir = folder
-    if out is not None:
-        target_dir = Path(out)
-        target_dir.mkdir(parents=True, exist_ok=True)
-        for item in folder.iterdir():
-            if item.is_file() and item.name != "variant.json":
-                atomic_copy(item, target_dir / item.name)
-    return AdaptResult(out=target_dir, version=version, record=record)
+    return AdaptResult(out=_copy_version(folder, out), version=version, record=record)
+
+
+def _copy_version(folder: Path, out: str | Path | None) -> Path:
+    """``folder``'s files (but ``variant.json``) copied into ``out``, which is returned; ``folder`` itself
+    when ``out`` is None."""
+    if out is None:
+        return folder
+    target_dir = Path(out)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.is_file() and item.name != "variant.json":
+            atomic_copy(item, target_dir / item.name)
+    return target_dir
 
 
 def model_card(name: str, version: int, parent: str, record: dict, meta: dict) -> str:

@@ -100,6 +100,35 @@ def test_only_429_and_identical_answers_pass():
     stuck = summarize(_report([_request("q", "Yes.")], incomplete=[_request(None, None, "Request was cancelled")]),
                       expected)
     assert "incomplete" in failures([stuck])[0]
+    dropped = _report([_request("q", "Yes.")])
+    dropped["benchmarks"][0]["scheduler_state"] = {"created_requests": 2}
+    assert summarize(dropped, expected)["unsent"] == 1
+    assert "never sent" in failures([summarize(dropped, expected)])[0]
+    dropped["benchmarks"][0]["scheduler_state"] = {"created_requests": 1}
+    assert summarize(dropped, expected)["unsent"] == 0 and failures([summarize(dropped, expected)]) == []
+
+
+def test_a_rate_guidellm_left_unsent_is_run_again(tmp_path, monkeypatch):
+    """guidellm dropping a request it never sent reruns the rate once; a second drop is reported."""
+    from benchmarks import load_public
+
+    reports = [{"created_requests": 2}, {"created_requests": 1}]
+    runs = []
+
+    def fake_run(cmd, log, cache, within_s):
+        report = _report([_request("q", "Yes.")])
+        report["benchmarks"][0]["scheduler_state"] = reports[len(runs)]
+        runs.append(cmd)
+        (tmp_path / "r.json").write_text(json.dumps(report))
+
+    monkeypatch.setattr(load_public, "run_rate", fake_run)
+    cmd = ["guidellm", "--profile", "kind=constant,rate=2", "--constraint", "kind=max_requests,count=1"]
+    result = load_public.measure_rate(cmd, tmp_path / "r.json", tmp_path / "log", "", 10, {"q": "Yes."})
+    assert len(runs) == 2 and result["unsent"] == 0 and result["sent"] == 1
+    runs.clear()
+    reports[:] = [{"created_requests": 3}, {"created_requests": 3}]
+    result = load_public.measure_rate(cmd, tmp_path / "r.json", tmp_path / "log", "", 10, {"q": "Yes."})
+    assert len(runs) == 2 and result["unsent"] == 2
 
 
 def test_rates_rise():
