@@ -6,6 +6,7 @@ weights (where they run: float32 on a CPU with fbgemm).
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
     python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
     python benchmarks/bench_engine.py --attention --rows 1,4,8,16 --cached 150,400,800   # one attention call
+    python benchmarks/bench_engine.py --dtype bfloat16 --int4-split --rows 1,4,8,12,16,24   # int4 codes or dense
 
 Each row count n is one forward of n tokens (a chain of tree nodes, the LM head included) after the
 prompt's cache, the mean of ``--repeats`` after one warm-up, the variants interleaved. Prints one
@@ -35,6 +36,7 @@ from taps_ray.eval.bench import weight_read_floor
 from taps_ray.models.engine import can_pack
 from taps_ray.models.quant import (
     GROUP,
+    INT4_MAX_ROWS,
     HalfLinear,
     Int4Linear,
     fp16_unsupported,
@@ -54,6 +56,29 @@ def set_packing(target: TargetModel, on: bool) -> None:
             linear.pack = on
     target.engine.packed = on
     target.engine._head = None
+
+
+def set_int4_rows(target: TargetModel, max_rows: int) -> None:
+    """Make the int4 engine's layer products read their codes in steps of up to ``max_rows`` rows (wider steps
+    run on the packed dense copy)."""
+    for layer in target.engine.layers:
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            linear.max_rows = max_rows
+
+
+def int4_split(ids: torch.Tensor, rows: list[int], repeats: int, dtype: str) -> None:
+    """Per row count, one forward of the int4 target reading its codes, and the same target on its packed dense
+    copy, interleaved: where :data:`~taps_ray.models.quant.INT4_MAX_ROWS` should sit."""
+    target = TargetModel.load(TargetConfig(dtype=dtype, weights="int4"))
+    print("rows | int4 codes ms | packed dense copy ms")
+    for n in rows:
+        times = {}
+        for _ in range(3):
+            for name, max_rows in (("codes", 1 << 30), ("dense", 0)):
+                set_int4_rows(target, max_rows)
+                times[name] = min(times.get(name, float("inf")), forward_ms(target, ids, n, repeats))
+        print(f"{n} | {times['codes']:.1f} | {times['dense']:.1f}", flush=True)
+    set_int4_rows(target, INT4_MAX_ROWS)
 
 
 @torch.inference_mode()
@@ -165,12 +190,18 @@ def main() -> None:
     parser.add_argument("--products", action="store_true", help="time the layers' products per weight format")
     parser.add_argument("--attention", action="store_true", help="time one attention call in bf16 and float32")
     parser.add_argument("--cached", default="150,400,800", help="--attention: cached lengths")
+    parser.add_argument("--int4-split", action="store_true",
+                        help="the int4 target per row count on its codes and on its packed dense copy (bf16)")
     args = parser.parse_args()
     if args.attention:
         attention([int(r) for r in args.rows.split(",")], [int(c) for c in args.cached.split(",")])
         return
     if args.products:
         products([int(r) for r in args.rows.split(",")], min(args.repeats, 5))
+        return
+    if args.int4_split:
+        int4_split(TargetModel.load(TargetConfig(dtype=args.dtype)).encode_chat([{"role": "user", "content": PROMPT}]),
+                   [int(r) for r in args.rows.split(",")], args.repeats, args.dtype)
         return
     static = TargetModel.load(TargetConfig(dtype=args.dtype, weights="dense"))
     hf = TargetModel.load(TargetConfig(dtype=args.dtype, engine="hf", weights="dense"))

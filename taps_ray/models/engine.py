@@ -9,7 +9,9 @@ runs the same arithmetic directly on the model's own weights:
   the two forwards share storage and any in-place change to a weight reaches both);
 - on CPU in float32 (and in bfloat16 where oneDNN has native bf16) every product runs through oneDNN on a
   prepacked copy of its weight (:class:`Linear`); with ``weights="int4"`` the layers' products read 4-bit
-  codes instead (:class:`~taps_ray.models.quant.Int4Linear`), the LM head stays dense; with ``weights="fp16"``
+  codes instead (:class:`~taps_ray.models.quant.Int4Linear`) in steps of up to ``INT4_MAX_ROWS`` rows, and
+  wider steps of a GGUF target (whose dense weights are its codes' values within bf16 rounding) run on the
+  packed dense copy, where torch's int4 kernel is slower; the LM head stays dense; with ``weights="fp16"``
   every product, the LM head included, reads half-precision weights (:class:`~taps_ray.models.quant.HalfLinear`);
 - :class:`KVCache` preallocates every layer's keys and values, ``[L, kv_heads, C, d]``, with an explicit
   ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
@@ -305,7 +307,7 @@ class StaticEngine:
         if error > bound:
             raise ValueError(f"the int4 codes of {', '.join(names)} do not match the dense weights (largest "
                              f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
-        return Int4Linear(codes, bias, self.dtype, weight)
+        return Int4Linear(codes, bias, self.dtype, weight, Linear(weight, bias, True) if self.packed else None)
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`

@@ -228,12 +228,21 @@ def auto_weights(device: torch.device, dtype: torch.dtype, dtype_requested: str 
     return "dense"
 
 
+INT4_MAX_ROWS = 15
+"""Rows up to which an int4 product with a ``wide`` alternative reads its codes: torch's int4 CPU kernel costs
+grow with every few rows, and from about this many rows a whole forward of the embedded target on oneDNN's
+packed bf16 weights is faster (``benchmarks/bench_engine.py --dtype bfloat16``, docs/BENCHMARKS.md)."""
+
+
 class Int4Linear:
     """``x [T, K] -> x @ W.T + bias`` [T, N] for an :class:`Int4Weight`, in ``dtype`` (bfloat16), through torch's
-    ``_weight_int4pack_mm_for_cpu``. ``source``: the dense parameter the codes were made from; a change to it
-    after packing (its storage or ``_version``) is an error, never a silently stale product."""
+    ``_weight_int4pack_mm_for_cpu``; where ``wide`` is given (the same product on the dense weights, e.g. oneDNN's
+    packed bf16), a step of more than ``max_rows`` rows takes that instead (a tree verification, a prefill, a
+    batch of requests). ``source``: the dense parameter the codes were made from; a change to it after packing
+    (its storage or ``_version``) is an error, never a silently stale product."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, source: torch.Tensor):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, source: torch.Tensor,
+                 wide=None, max_rows: int = INT4_MAX_ROWS):
         n, k = weight.codes.shape
         if k % GROUP:
             raise ValueError(f"int4 weights need input features in multiples of {GROUP}, got {k}")
@@ -241,11 +250,14 @@ class Int4Linear:
         self.scale_zero = torch.stack([weight.scale.T, (weight.minimum + 8 * weight.scale).T], dim=-1).to(dtype).contiguous()
         self.bias = bias
         self.source, self._key = source, tensor_identity(source)
+        self.wide, self.max_rows = wide, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if tensor_identity(self.source) != self._key:
             raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
                                "(or use target.weights=dense)")
+        if self.wide is not None and x.shape[0] > self.max_rows:
+            return self.wide(x)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return out if self.bias is None else out + self.bias
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from taps_ray.config import TargetConfig, TreeConfig
+from taps_ray.models.engine import Linear, StaticEngine, can_pack
 from taps_ray.models.quant import (
     GROUP,
     HALF_PROBE_ROWS,
+    INT4_MAX_ROWS,
     HalfLinear,
     Int4Linear,
     Int4Weight,
@@ -258,3 +260,51 @@ def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_
     copy = pickle.loads(pickle.dumps(drafter))
     with torch.inference_mode():
         assert torch.equal(copy.fc(x), drafter.fc(x))
+
+
+def test_int4_product_hands_steps_wider_than_its_rows_to_the_dense_alternative():
+    weight = _q4_1_like(96, 64)
+    widths = []
+
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        widths.append(x.shape[0])
+        return torch.full((x.shape[0], 96), 7.0, dtype=torch.bfloat16)
+
+    routed = Int4Linear(weight, None, torch.bfloat16, torch.zeros(1), wide, max_rows=3)
+    codes_only = Int4Linear(weight, None, torch.bfloat16, torch.zeros(1))
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(routed(x[:3]), codes_only(x[:3])) and widths == []
+        assert torch.equal(routed(x), torch.full((4, 96), 7.0, dtype=torch.bfloat16)) and widths == [4]
+        assert torch.equal(codes_only(x), codes_only(x)) and codes_only.wide is None
+
+
+@pytest.mark.skipif(int4_unsupported(torch.device("cpu"), torch.bfloat16) is not None
+                    or not can_pack(torch.device("cpu"), torch.bfloat16),
+                    reason="int4 with a packed bf16 copy needs a CPU with native bf16 (oneDNN)")
+def test_an_int4_engine_on_its_files_codes_runs_wide_steps_on_the_packed_dense_copy():
+    """Given codes (a GGUF's own) match the dense weights, so a step wider than INT4_MAX_ROWS reads the packed
+    dense copy (faster there) and follows the codes' own product within bf16 rounding; round-to-nearest
+    codes (no file) differ from the dense weights, so they never hand over."""
+    tiny = make_tiny_target(0)
+    model = tiny.model.to(torch.bfloat16)
+    codes = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                codes[name] = quantize_rtn(param)
+                param.copy_(codes[name].dequantize())
+    windows = [None] * len(model.model.layers)
+    given = StaticEngine(model, windows, "int4", codes)
+    rounded = StaticEngine(model, windows, "int4")
+    layer = given.layers[0]
+    assert all(isinstance(p.wide, Linear) and p.max_rows == INT4_MAX_ROWS
+               for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert rounded.layers[0].qkv.wide is None
+    x = torch.randn(INT4_MAX_ROWS + 5, model.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        wide = layer.gate_up(x)
+        layer.gate_up.max_rows = 1 << 30
+        narrow = layer.gate_up(x)
+    assert not torch.equal(wide, narrow)
+    torch.testing.assert_close(wide.float(), narrow.float(), rtol=0.02, atol=0.02 * float(narrow.abs().max()))
