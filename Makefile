@@ -34,7 +34,7 @@ $(BENCH_STAMP): $(STAMP)
 	@touch $(BENCH_STAMP)
 
 test: setup $(BENCH_STAMP)
-	@$(PY) -m pytest -q -ra $(XDIST); status=$$?; \
+	@$(PY) -m pytest -q -ra --durations=15 $(XDIST); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; \
 	exit $$status
 
