@@ -3,12 +3,15 @@
     python benchmarks/gpu_check.py                      # ~1B Llama, bf16 on CUDA (float32 on CPU)
     python benchmarks/gpu_check.py --size tiny --device cpu --dtype float32   # what the test suite runs
 
-For each target engine (``static``: models/engine.py; ``hf``: transformers' forward) it checks that
+For each target engine (``static``: models/engine.py; ``static+graphs``: the same with its steps of up to 64
+tokens replayed as CUDA graphs, models/graphs.py -- on a CPU the fixed-shape step those graphs capture,
+run eagerly; ``hf``: transformers' forward) it checks that
 greedy speculative decoding with an oracle drafter (the target's own continuation as a chain, with
 decoy siblings) gives vanilla's tokens exactly, times vanilla against that oracle (the speedup a
 perfect drafter would give on this device: the engine's ceiling), and measures the verification cost
-of n tree nodes relative to one plain step, n = 1..64. Prints one JSON object (``--out`` writes it too).
-CUDA graphs (``torch.compile`` reduce-overhead) are not part of the engine yet; the JSON says so.
+of n tree nodes relative to one plain step, n = 1..64. Prints one JSON object (``--out`` writes it too);
+graph capture seconds are reported apart (``capture_s``), outside every timing, which each take the fastest of
+``--repeats`` runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_loading import resolve_device_dtype
 from taps_ray.spec.cost import measure
@@ -37,6 +41,7 @@ SIZES = {
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
 }
 NODES = (1, 2, 4, 8, 16, 32, 64)
+ENGINES = ("static", "static+graphs", "hf")
 
 
 def random_target(size: str, device: torch.device, dtype: torch.dtype, engine: str, seed: int = 0) -> TargetModel:
@@ -52,7 +57,12 @@ def random_target(size: str, device: torch.device, dtype: torch.dtype, engine: s
         model.lm_head.weight.normal_(0, 4.0 / config.hidden_size ** 0.5)
         model.lm_head.weight[1] = 0
     model.to(device=device, dtype=dtype)
-    return TargetModel(model, None, f"random-llama-{size}", engine=engine)
+    graphs = engine == "static+graphs"
+    target = TargetModel(model, None, f"random-llama-{size}", engine=engine.removesuffix("+graphs"),
+                         graphs="on" if graphs and device.type == "cuda" else "off")
+    if graphs and device.type != "cuda":
+        target.engine.graphs = StepGraphs(target.engine, capture=False)
+    return target
 
 
 class ChainOracle:
@@ -82,7 +92,7 @@ class ChainOracle:
                 decoy = rng.randrange(2, self.vocab_size)
             tokens += [token, decoy]
             parents += [chain_parent, chain_parent]
-        return build_tree(tokens, parents, prefix_len=state.prefix_len)
+        return build_tree(tokens, parents, prefix_len=state.prefix_len).to(state.tokens.device)
 
 
 def _sync(device: torch.device) -> None:
@@ -90,15 +100,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(device: torch.device, call) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    call()
-    _sync(device)
-    return time.perf_counter() - start
+def _seconds(device: torch.device, call, repeats: int = 1) -> float:
+    """The fastest of ``repeats`` timed calls."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
-def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: int) -> dict:
+def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: int, repeats: int = 3) -> dict:
     """Greedy vanilla against the chain oracle on one random prompt: exactness, tau, speeds."""
     prompt = torch.randint(2, target.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
     generate(target, prompt, None, max_new_tokens=4, eos_token_ids=set())
@@ -107,7 +121,7 @@ def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: i
     def run_vanilla():
         holder["vanilla"] = generate(target, prompt, None, max_new_tokens=new_tokens, eos_token_ids=set())
 
-    vanilla_s = _seconds(target.device, run_vanilla)
+    vanilla_s = _seconds(target.device, run_vanilla, repeats)
     vanilla = holder["vanilla"]
     oracle = ChainOracle(prompt.tolist() + vanilla.token_ids, target.vocab_size, depth)
     generate(target, prompt, oracle, max_new_tokens=4, eos_token_ids=set())
@@ -115,26 +129,32 @@ def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: i
     def run_spec():
         holder["spec"] = generate(target, prompt, oracle, max_new_tokens=new_tokens, eos_token_ids=set())
 
-    spec_s = _seconds(target.device, run_spec)
+    spec_s = _seconds(target.device, run_spec, repeats)
     spec = holder["spec"]
-    return {"greedy_identical": spec.token_ids == vanilla.token_ids, "tokens": len(vanilla.token_ids),
+    diverged = next((i for i, (a, b) in enumerate(zip(spec.token_ids, vanilla.token_ids)) if a != b), None)
+    return {"greedy_identical": spec.token_ids == vanilla.token_ids, "first_divergence": diverged,
+            "tokens": len(vanilla.token_ids),
             "oracle_tau": round(spec.tau, 3), "vanilla_tok_s": round(len(vanilla.token_ids) / vanilla_s, 2),
             "oracle_tok_s": round(len(spec.token_ids) / spec_s, 2), "oracle_speedup": round(vanilla_s / spec_s, 3)}
 
 
 def run(size: str = "1b", device: str = "auto", dtype: str = "auto", new_tokens: int = 64, prompt_len: int = 128,
-        depth: int = 5, engines: tuple[str, ...] = ("static", "hf"), nodes=NODES) -> dict:
+        depth: int = 5, engines: tuple[str, ...] = ENGINES, nodes=NODES, repeats: int = 3) -> dict:
     """The whole check (see the module docstring) as a dict."""
     dev, dt = resolve_device_dtype(device, dtype)
     report = {"size": size, "device": str(dev), "dtype": str(dt).removeprefix("torch."), "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-              "cuda_graphs": "not implemented in the engine yet", "engines": {}}
+              "engines": {}}
     for engine in engines:
         start = time.perf_counter()
         target = random_target(size, dev, dt, engine)
         load_s = time.perf_counter() - start
-        result = check_engine(target, prompt_len, new_tokens, depth)
+        result = check_engine(target, prompt_len, new_tokens, depth, repeats)
         cost = measure(target, nodes, prefix=prompt_len)
+        graphs = target.engine.graphs if target.engine is not None else None
+        if graphs is not None:
+            result["graphs"] = {"captured": graphs.capture, "captures": graphs.captures,
+                                "capture_s": round(graphs.capture_s, 3)}
         result["verify_ms"] = {n: round(1e3 * s, 3) for n, s in zip(cost.nodes, cost.verify_s)}
         result["verify_cost_vs_plain"] = cost.relative()
         result["load_s"] = round(load_s, 2)
@@ -154,9 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--depth", type=int, default=5, help="oracle chain length per step")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decode (the fastest counts)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    report = run(args.size, args.device, args.dtype, args.new_tokens, args.prompt_len, args.depth)
+    engines = tuple(args.engines.split(","))
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+    report = run(args.size, args.device, args.dtype, args.new_tokens, args.prompt_len, args.depth, engines,
+                 repeats=args.repeats)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

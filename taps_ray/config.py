@@ -49,6 +49,10 @@ class TargetConfig(Strict):
         "weights, float32 activations: fbgemm, CPU); auto: where measured faster, int4 on a CPU with native bf16 "
         "running bfloat16, fp16 on a CPU running float32 from dtype auto, dense elsewhere (an explicit "
         "dtype float32 stays dense: the bitwise reference)"))
+    graphs: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "CUDA graphs of the static engine's steps of up to 64 tokens on one request (models/graphs.py): auto = on "
+        "for a CUDA target on the static engine without sliding-window layers, off elsewhere (CPU and MPS have "
+        "none); on: required (an error where they cannot run)"))
 
     @field_validator("device")
     @classmethod

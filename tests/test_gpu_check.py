@@ -7,12 +7,14 @@ import json
 from benchmarks import gpu_check
 
 
-def test_gpu_check_runs_both_engines_exactly(tmp_path):
+def test_gpu_check_runs_every_engine_exactly(tmp_path):
     out = tmp_path / "gpu.json"
     assert gpu_check.main(["--size", "tiny", "--device", "cpu", "--dtype", "float32", "--new-tokens", "24",
                            "--prompt-len", "16", "--depth", "4", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["all_identical"] and set(report["engines"]) == {"static", "hf"}
+    assert report["all_identical"] and set(report["engines"]) == {"static", "static+graphs", "hf"}
+    graphs = report["engines"]["static+graphs"]["graphs"]
+    assert graphs == {"captured": False, "captures": 0, "capture_s": 0.0}, "on a CPU the fixed-shape step runs eagerly"
     for engine in report["engines"].values():
         assert engine["greedy_identical"] and engine["tokens"] == 24
         assert engine["oracle_tau"] > 3, "the oracle's chain should be accepted almost whole"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.quant import (
     HalfLinear,
     Int4Linear,
@@ -54,6 +55,13 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor) -> KVCache:
+        """An empty cache on the given storage ``keys``/``values`` [L, g, C, d]."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.length = keys, values, 0
+        return cache
 
     @property
     def capacity(self) -> int:
@@ -245,6 +253,8 @@ class StaticEngine:
     """The decoder forward of ``model`` (a family :func:`static_support` accepts) on :class:`KVCache` caches.
 
     ``windows``: per layer, its sliding window (None: full attention), as the target applies them.
+    ``graphs``: run steps of up to 64 tokens on one request's cache as CUDA graphs
+    (:class:`~taps_ray.models.graphs.StepGraphs`; a CUDA target without sliding windows, else a ValueError).
     ``weights``: ``dense`` (the model's own weights), ``fp16`` (every product on a half-precision copy, float32
     activations) or ``int4`` (the layers' products on 4-bit codes:
     ``int4_codes`` by HF parameter name where given, such as a GGUF's own Q4_1 blocks, else round-to-nearest
@@ -253,7 +263,7 @@ class StaticEngine:
     """
 
     def __init__(self, model, windows: list[int | None], weights: str = "dense",
-                 int4_codes: dict[str, Int4Weight] | None = None):
+                 int4_codes: dict[str, Int4Weight] | None = None, graphs: bool = False):
         reason = static_support(model)
         if reason is not None:
             raise ValueError(f"the static engine cannot run this target: {reason}")
@@ -278,6 +288,12 @@ class StaticEngine:
         self._final_norm = RMSNorm(base.norm, self.dtype)
         self._codes = {}
         self._head: Linear | None = None
+        self.graphs: StepGraphs | None = None
+        if graphs:
+            if self.device.type != "cuda" or any(window is not None for window in windows):
+                raise ValueError(f"CUDA graphs need a CUDA target without sliding-window layers (device "
+                                 f"{self.device}, windows {sorted({w for w in windows if w is not None})})")
+            self.graphs = StepGraphs(self)
 
     def _layer(self, layer, window: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -341,6 +357,9 @@ class StaticEngine:
         return half_rows(total) if self.weights == "fp16" else total
 
     def new_cache(self, capacity: int = 256) -> KVCache:
+        """An empty cache of at least ``capacity`` entries (with CUDA graphs, a pooled one where it fits)."""
+        if self.graphs is not None and capacity <= self.graphs.capacity:
+            return self.graphs.new_cache()
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.device, capacity)
 
     @torch.inference_mode()
@@ -355,21 +374,47 @@ class StaticEngine:
         """:meth:`forward`'s last hidden states [T, H] and the hidden states ``layers`` (HF ``hidden_states``
         indices: 0 the embeddings, i decoder layer i - 1's output, L the final norm's) concatenated
         [T, len(layers) * H] (None when ``layers`` is empty)."""
-        taps: dict[int, torch.Tensor] = {}
+        if self.graphs is not None and self.graphs.applies(segments):
+            return self.graphs.run(tokens, positions, segments[0], layers)
         for seg in segments:
             seg.cache.reserve(seg.n)
-        x = self.base.embed_tokens(tokens)[None]
-        cos, sin = self.base.rotary_emb(x, positions[None])
-        cos, sin = cos[0, :, None], _signed_sin(sin[0, :, None])
-        x = x[0]
+        x, cos, sin = self.embed(tokens, positions)
         total = x.shape[0]
-        if 0 in layers:
-            taps[0] = x
         rows = self._rows(total)
         if rows > total:  # products run on rows they round alike on (fp16); the padding rows attend nowhere
             x = F.pad(x, (0, 0, 0, rows - total))
         starts = _starts(segments)
         masks = [self._masks(seg, positions[start:start + seg.n]) for seg, start in zip(segments, starts)]
+        hd = self.heads * self.head_dim
+
+        def attend(index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if len(segments) == 1:
+                out = self._attend(index, layer, segments[0], q, k, v, masks[0]).reshape(total, hd)
+                return F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
+            out = q.new_zeros(rows, hd)
+            for seg, start, mask in zip(segments, starts, masks):
+                part = slice(start, start + seg.n)
+                out[part] = self._attend(index, layer, seg, q[part], k[part], v[part], mask).reshape(seg.n, hd)
+            return out
+
+        final, features = self.decode(x, cos, sin, total, attend, layers)
+        for seg in segments:
+            seg.cache.length += seg.n
+        return final, features
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings [T, H] of ``tokens`` [T] and the rotary ``cos``/``sin`` [T, 1, r] of ``positions`` [T]
+        (``sin`` signed by :func:`_signed_sin`)."""
+        x = self.base.embed_tokens(tokens)[None]
+        cos, sin = self.base.rotary_emb(x, positions[None])
+        return x[0], cos[0, :, None], _signed_sin(sin[0, :, None])
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, total: int, attend,
+               layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers over ``x`` [R, H] (R >= ``total`` rows, the first ``total`` real): per layer the
+        q/k/v product and rotary embedding, ``attend(index, layer, q [total, h, d], k, v [total, g, d])`` ->
+        [R, h * d], the output product and the MLP; :meth:`forward_layers`' result."""
+        taps: dict[int, torch.Tensor] = {0: x[:total]} if 0 in layers else {}
         h, g, d = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.norm_in(x))
@@ -378,25 +423,12 @@ class StaticEngine:
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :h]), layer.k_norm(qk[:, h:])], dim=1)
             qk = _rope(qk, cos, sin)  # q and k heads in one pass
-            q, k = qk[:, :h], qk[:, h:]
-            if len(segments) == 1:
-                out = self._attend(index, layer, segments[0], q, k, v, masks[0]).reshape(total, h * d)
-                out = F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
-            else:
-                out = q.new_zeros(rows, h * d)
-                for seg, start, mask in zip(segments, starts, masks):
-                    out[start:start + seg.n] = self._attend(index, layer, seg, q[start:start + seg.n],
-                                                            k[start:start + seg.n], v[start:start + seg.n],
-                                                            mask).reshape(seg.n, h * d)
-            x = x + layer.o_proj(out)
+            x = x + layer.o_proj(attend(index, layer, qk[:, :h], qk[:, h:], v))
             gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
             if index + 1 in layers:
                 taps[index + 1] = x[:total]
-        x = x[:total]
-        for seg in segments:
-            seg.cache.length += seg.n
-        final = self._final_norm(x)
+        final = self._final_norm(x[:total])
         taps[len(self.layers)] = final
         return final, (torch.cat([taps[i] for i in layers], dim=-1) if layers else None)
 

@@ -162,10 +162,10 @@ class TargetModel:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, name: str, engine: str = "auto", weights: str = "dense",
-                 gguf: Path | None = None, weights_required: bool = False):
+                 gguf: Path | None = None, weights_required: bool = False, graphs: str = "off"):
         model.eval().requires_grad_(False)
         self.windows = attention_windows(model, name)
-        self.engine = _engine(model, self.windows, name, engine, weights, gguf, weights_required)
+        self.engine = _engine(model, self.windows, name, engine, weights, gguf, weights_required, graphs)
         self.weights = self.engine.weights if self.engine is not None else "dense"
         text = model.config.get_text_config(decoder=True)
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
@@ -215,7 +215,7 @@ class TargetModel:
         model.to(device)
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
-                     weights_required=cfg.weights != "auto")
+                     weights_required=cfg.weights != "auto", graphs=cfg.graphs)
         if cfg.max_context:
             target.max_context = min(target.max_context, cfg.max_context)
         target.dtype_note = dtype_reason(device, dtype, cfg.dtype)
@@ -449,20 +449,29 @@ class TargetModel:
 
 
 def _engine(model: PreTrainedModel, windows: list[int | None], name: str, requested: str, weights: str = "dense",
-            gguf: Path | None = None, weights_required: bool = False) -> StaticEngine | None:
+            gguf: Path | None = None, weights_required: bool = False, graphs: str = "off") -> StaticEngine | None:
     """The static engine for ``model`` when ``requested`` allows it (auto: where the family supports it;
     static: required, TargetLoadError otherwise; hf: never), its layers in ``weights`` (int4: the codes of
     ``gguf``'s Q4_1 tensors where it has them). int4 or fp16 without the static engine is a TargetLoadError when
-    ``weights_required`` (set explicitly), else the forward stays dense."""
+    ``weights_required`` (set explicitly), else the forward stays dense. ``graphs`` (target.graphs): on
+    requires CUDA graphs of the static engine's steps (TargetLoadError where they cannot run), auto takes
+    them where they can."""
     if requested not in ("auto", "static", "hf"):
         raise TargetLoadError(f"target.engine must be auto, static or hf, got {requested!r}")
+    if graphs not in ("auto", "on", "off"):
+        raise TargetLoadError(f"target.graphs must be auto, on or off, got {graphs!r}")
     reason = "target.engine=hf" if requested == "hf" else static_support(model)
+    device = next(model.parameters()).device
+    graphable = reason is None and device.type == "cuda" and all(window is None for window in windows)
+    if graphs == "on" and not graphable:
+        raise TargetLoadError(f"target {name!r}: target.graphs=on needs the static engine on a CUDA device without "
+                              f"sliding-window layers (engine: {reason or 'static'}, device {device}); use graphs auto or off")
     if reason is None:
         codes: dict[str, Int4Weight] = {}
         if weights == "int4" and gguf is not None:
             codes = read_gguf_q4_1(gguf, model.config.get_text_config(decoder=True))
         try:
-            return StaticEngine(model, windows, weights, codes)
+            return StaticEngine(model, windows, weights, codes, graphs=graphable and graphs != "off")
         except ValueError as err:
             raise TargetLoadError(f"target {name!r}: {err}") from err
     if weights != "dense" and weights_required:
