@@ -40,84 +40,10 @@ from taps_ray.models.quant import (
     install_forwards,
     quantize_rtn,
 )
+from taps_ray.models.target_cache import KVCache, Segment
 
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PACK_ROWS = 16
-
-
-class KVCache:
-    """One request's keys and values for every layer, preallocated: ``keys``/``values`` [L, g, C, d];
-    entries ``0 .. length - 1`` are valid. The capacity doubles when a step needs more (amortised)."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 256):
-        shape = (layers, kv_heads, max(1, capacity), head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    @classmethod
-    def over(cls, keys: torch.Tensor, values: torch.Tensor) -> KVCache:
-        """An empty cache on the given storage ``keys``/``values`` [L, g, C, d]."""
-        cache = cls.__new__(cls)
-        cache.keys, cache.values, cache.length = keys, values, 0
-        return cache
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` more entries after ``length``."""
-        need = self.length + n
-        if need <= self.capacity:
-            return
-        shape = (*self.keys.shape[:2], max(need, 2 * self.capacity), self.keys.shape[3])
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty(shape)
-            new[:, :, :self.length] = old[:, :, :self.length]
-            setattr(self, name, new)
-
-    def crop(self, length: int) -> None:
-        """Keep entries ``0 .. length - 1``."""
-        self.length = min(self.length, max(0, length))
-
-    def compact(self, prefix_len: int, keep: torch.Tensor) -> None:
-        """Keep the prefix plus the entries at ``prefix_len + keep`` (``keep`` [k] ascending), moved to
-        ``prefix_len .. prefix_len + k - 1``: one gather and one write for all layers."""
-        index = keep.to(device=self.keys.device, dtype=torch.long) + prefix_len
-        k = index.numel()
-        for tensor in (self.keys, self.values):
-            tensor[:, :, prefix_len:prefix_len + k] = tensor.index_select(2, index)
-        self.length = prefix_len + k
-
-    @property
-    def layers(self) -> list[CacheLayer]:
-        """Per layer, views of its valid keys and values [1, g, length, d] (read-only use)."""
-        return [CacheLayer(self.keys[i, None, :, :self.length], self.values[i, None, :, :self.length])
-                for i in range(self.keys.shape[0])]
-
-
-@dataclass
-class CacheLayer:
-    """One layer's valid cache entries: ``keys``/``values`` [1, g, P, d]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-@dataclass
-class Segment:
-    """One request's part of a packed forward: ``n`` tokens on top of ``cache`` with an additive ``mask``
-    [n, P + n] (None: causal among themselves)."""
-
-    cache: KVCache
-    n: int
-    mask: torch.Tensor | None = None
 
 
 def static_support(model) -> str | None:

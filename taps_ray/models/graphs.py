@@ -20,17 +20,33 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from taps_ray.models.engine import KVCache, Segment, StaticEngine
+from taps_ray.models.target_cache import KVCache, Segment
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CAPACITY = 4096
 MIN_SPAN = 256
+
+
+class Engine(Protocol):
+    """What the graphs read of a :class:`~taps_ray.models.engine.StaticEngine` (which owns them)."""
+
+    device: torch.device
+    attention_dtype: torch.dtype
+    layers: list
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, total: int, attend,
+               layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 def span(entries: int, capacity: int = CAPACITY) -> int:
@@ -49,7 +65,7 @@ class StepGraphs:
     windows) and the pool of caches they run on. ``captures`` / ``capture_s``: graphs captured so far and
     the seconds that took (kept out of any step's time by whoever reports it)."""
 
-    def __init__(self, engine: StaticEngine, capture: bool = True, capacity: int = CAPACITY):
+    def __init__(self, engine: Engine, capture: bool = True, capacity: int = CAPACITY):
         self.engine, self.capture, self.capacity = engine, capture, capacity
         rows, device = BUCKETS[-1], engine.device
         self._tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -66,8 +82,6 @@ class StepGraphs:
     def new_cache(self) -> KVCache:
         """An empty cache on pooled storage of :attr:`capacity` entries (its storage goes back to the pool,
         graphs and all, once the cache is collected)."""
-        from taps_ray.models.engine import KVCache
-
         if self._free:
             cache = KVCache.over(*self._free.pop())
         else:
