@@ -8,7 +8,8 @@ tokens replayed as CUDA graphs, models/graphs.py -- on a CPU the fixed-shape ste
 run eagerly; ``hf``: transformers' forward) it checks that
 greedy speculative decoding with an oracle drafter (the target's own continuation as a chain, with
 decoy siblings) gives vanilla's tokens exactly, times vanilla against that oracle (the speedup a
-perfect drafter would give on this device: the engine's ceiling), and measures the verification cost
+perfect drafter would give on this device: the engine's ceiling), that random-weight EAGLE-2 and EAGLE-3 heads (real drafters, the EAGLE-3 one reading three target
+layers' features) decode vanilla's tokens too, and measures the verification cost
 of n tree nodes relative to one plain step, n = 1..64. Prints one JSON object (``--out`` writes it too);
 graph capture seconds are reported apart (``capture_s``), outside every timing, which each take the fastest of
 ``--repeats`` runs after a warm-up.
@@ -26,12 +27,15 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from taps_ray.config import TreeConfig
+from taps_ray.models.drafter import DraftHead
+from taps_ray.models.eagle3 import Eagle3Head
 from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.target import TargetModel
 from taps_ray.models.target_loading import resolve_device_dtype
 from taps_ray.spec.cost import measure
 from taps_ray.spec.decoder import generate
-from taps_ray.spec.protocol import DecodeState
+from taps_ray.spec.protocol import DecodeState, SingleStrategy
 from taps_ray.spec.tree import DraftTree, build_tree
 
 SIZES = {
@@ -131,11 +135,21 @@ def check_engine(target: TargetModel, prompt_len: int, new_tokens: int, depth: i
 
     spec_s = _seconds(target.device, run_spec, repeats)
     spec = holder["spec"]
+    heads = {}
+    layers = target.config.num_hidden_layers
+    aux = None if layers >= 5 else (0, layers // 2, layers - 1)  # the default aux layers need 5 (tiny has 2)
+    for name, head in (("eagle2", DraftHead(target.config, seed=3)), ("eagle3", Eagle3Head(target.config, seed=3, aux=aux))):
+        head = head.to(device=target.device, dtype=target.dtype).eval()
+        strategy = SingleStrategy(head, TreeConfig(depth=3, top_k=4, total_tokens=16, lookup_tokens=0, adaptive=False))
+        drafted = generate(target, prompt, strategy, max_new_tokens=min(new_tokens, 32), eos_token_ids=set())
+        heads[name] = {"greedy_identical": drafted.token_ids == vanilla.token_ids[:len(drafted.token_ids)],
+                       "tau": round(drafted.tau, 3)}
     diverged = next((i for i, (a, b) in enumerate(zip(spec.token_ids, vanilla.token_ids)) if a != b), None)
     return {"greedy_identical": spec.token_ids == vanilla.token_ids, "first_divergence": diverged,
             "tokens": len(vanilla.token_ids),
             "oracle_tau": round(spec.tau, 3), "vanilla_tok_s": round(len(vanilla.token_ids) / vanilla_s, 2),
-            "oracle_tok_s": round(len(spec.token_ids) / spec_s, 2), "oracle_speedup": round(vanilla_s / spec_s, 3)}
+            "oracle_tok_s": round(len(spec.token_ids) / spec_s, 2), "oracle_speedup": round(vanilla_s / spec_s, 3),
+            "random_heads": heads}
 
 
 def run(size: str = "1b", device: str = "auto", dtype: str = "auto", new_tokens: int = 64, prompt_len: int = 128,
@@ -162,7 +176,8 @@ def run(size: str = "1b", device: str = "auto", dtype: str = "auto", new_tokens:
         del target
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    report["all_identical"] = all(r["greedy_identical"] for r in report["engines"].values())
+    report["all_identical"] = all(r["greedy_identical"] and all(h["greedy_identical"] for h in r["random_heads"].values())
+                                  for r in report["engines"].values())
     return report
 
 

@@ -17,6 +17,8 @@ def test_gpu_check_runs_every_engine_exactly(tmp_path):
     assert graphs == {"captured": False, "captures": 0, "capture_s": 0.0}, "on a CPU the fixed-shape step runs eagerly"
     for engine in report["engines"].values():
         assert engine["greedy_identical"] and engine["tokens"] == 24
+        assert set(engine["random_heads"]) == {"eagle2", "eagle3"}
+        assert all(head["greedy_identical"] for head in engine["random_heads"].values())
         assert engine["oracle_tau"] > 3, "the oracle's chain should be accepted almost whole"
         assert [int(n) for n in engine["verify_ms"]] == list(gpu_check.NODES)
         assert all(ms > 0 for ms in engine["verify_ms"].values())
