@@ -18,6 +18,7 @@ the eager forward.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import Protocol
@@ -63,7 +64,8 @@ def bucket(n: int) -> int | None:
 class StepGraphs:
     """The captured steps of ``engine`` (a :class:`~taps_ray.models.engine.StaticEngine` on CUDA, no sliding
     windows) and the pool of caches they run on. ``captures`` / ``capture_s``: graphs captured so far and
-    the seconds that took (kept out of any step's time by whoever reports it)."""
+    the seconds that took (kept out of any step's time by whoever reports it). Steps from several threads
+    (a serving replica decodes requests concurrently) take turns: the static inputs are shared."""
 
     def __init__(self, engine: Engine, capture: bool = True, capacity: int = CAPACITY):
         self.engine, self.capture, self.capacity = engine, capture, capacity
@@ -78,18 +80,20 @@ class StepGraphs:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures, self.capture_s = 0, 0.0
+        self._lock = threading.Lock()
 
     def new_cache(self) -> KVCache:
         """An empty cache on pooled storage of :attr:`capacity` entries (its storage goes back to the pool,
         graphs and all, once the cache is collected)."""
-        if self._free:
-            cache = KVCache.over(*self._free.pop())
-        else:
-            engine = self.engine
-            cache = KVCache(len(engine.layers), engine.kv_heads, engine.head_dim, engine.attention_dtype,
-                            engine.device, self.capacity)
-            cache.keys.zero_(), cache.values.zero_()  # masked entries must be finite: 0 * NaN is NaN
-            self._pooled.add(cache.keys.data_ptr())
+        with self._lock:
+            if self._free:
+                cache = KVCache.over(*self._free.pop())
+            else:
+                engine = self.engine
+                cache = KVCache(len(engine.layers), engine.kv_heads, engine.head_dim, engine.attention_dtype,
+                                engine.device, self.capacity)
+                cache.keys.zero_(), cache.values.zero_()  # masked entries must be finite: 0 * NaN is NaN
+                self._pooled.add(cache.keys.data_ptr())
         weakref.finalize(cache, self._free.append, (cache.keys, cache.values))
         return cache
 
@@ -104,6 +108,11 @@ class StepGraphs:
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, seg: Segment,
             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`~taps_ray.models.engine.StaticEngine.forward_layers` of one segment that :meth:`applies`."""
+        with self._lock:
+            return self._run(tokens, positions, seg, layers)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seg: Segment,
+             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, past = seg.n, seg.cache.length
         rows = bucket(n)
         assert rows is not None

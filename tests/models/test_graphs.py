@@ -96,3 +96,15 @@ def test_graphs_on_where_they_cannot_run_is_a_clear_error():
         TargetModel.load(TargetConfig(model="embedded:smollm2-135m", device="cpu", dtype="float32", graphs="on"))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA target"):
         make_tiny_target(0).engine.__class__(make_tiny_target(0).model, [None, None], graphs=True)
+
+
+def test_requests_decoded_from_several_threads_take_turns_on_the_static_inputs(target):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [torch.randint(2, target.vocab_size, (8 + i,), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]
+    alone = [generate(target, prompt, max_new_tokens=48).token_ids for prompt in prompts]
+    _graphed(target)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda prompt: generate(target, prompt, max_new_tokens=48).token_ids, prompts))
+    assert together == alone
