@@ -75,9 +75,10 @@ class StepGraphs:
         self._writes = torch.zeros(rows, dtype=torch.long, device=device)
         self._mask = torch.zeros(rows, capacity, dtype=engine.attention_dtype, device=device)
         self._rows = torch.arange(rows, device=device)
+        self._causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
         self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pooled: set[int] = set()
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures, self.capture_s = 0, 0.0
         self._lock = threading.Lock()
@@ -118,11 +119,11 @@ class StepGraphs:
         assert rows is not None
         width = span(past + rows, self.capacity)
         self._stage(tokens, positions, seg, rows, width)
-        key = (seg.cache.keys.data_ptr(), rows, width, layers)
-        if key not in self._graphs:
-            self._graphs[key] = self._record(seg.cache, rows, width, layers)
-        graph, outputs = self._graphs[key]
-        if graph is not None:
+        if self.capture:
+            key = (seg.cache.keys.data_ptr(), rows, width, layers)
+            if key not in self._graphs:
+                self._graphs[key] = self._record(seg.cache, rows, width, layers)
+            graph, outputs = self._graphs[key]
             graph.replay()
         else:
             outputs = self._step(seg.cache, rows, width, layers)
@@ -147,19 +148,14 @@ class StepGraphs:
             mask[:n, :past + n].copy_(seg.mask)
         else:
             mask[:n, :past].zero_()
-            mask[:n, past:past + n].masked_fill_(self._causal(n), 0)
+            mask[:n, past:past + n].masked_fill_(self._causal[:n, :n], 0)
         if rows > n:
             pad = self._rows[n:rows]
             mask[pad, pad + past] = 0
 
-    def _causal(self, n: int) -> torch.Tensor:
-        return torch.ones(n, n, dtype=torch.bool, device=self._mask.device).tril()
-
     def _record(self, cache: KVCache, rows: int, width: int, layers: tuple[int, ...]):
-        """The graph of a step of ``rows`` on ``cache``'s storage and its outputs (no graph when not capturing).
-        The warm-up pass writes the keys and values the replay writes again (same inputs, same slots)."""
-        if not self.capture:
-            return None, ()
+        """The graph of a step of ``rows`` on ``cache``'s storage and its outputs. The warm-up pass writes the
+        keys and values the replay writes again (same inputs, same slots)."""
         start = time.perf_counter()
         side = torch.cuda.Stream(self.engine.device)
         side.wait_stream(torch.cuda.current_stream(self.engine.device))
