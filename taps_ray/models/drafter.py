@@ -226,26 +226,26 @@ class DraftHead(nn.Module):
         cache: DynamicCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Predicted next features f̂ [B, n, H].
+        """The decoder layer's outputs [B, n, H]: EAGLE-2's predicted next features f̂, EAGLE-3's pre-norm outputs
+        (each fed back as the next level's feature).
 
         ``token_embeds`` [B, n, H] embeds token_{i+1}; ``features`` [B, n, H] are f_i (fused by :meth:`fuse`: target
-        features or the drafter's own outputs);
-        ``positions`` [B, n]; ``attention_mask`` additive [B, 1, n, P + n] (causal over the cache
-        when None). ``cache`` is extended in place by n entries.
+        features or the drafter's own outputs); ``positions`` [B, n]; ``attention_mask`` additive
+        [B, 1, n, P + n] (causal over the cache when None). ``cache`` is extended in place by n entries.
         """
-        hidden = self.fc(torch.cat([token_embeds.to(features.dtype), features], dim=-1))
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:
-            attention_mask = causal_mask(hidden.shape[1], past, hidden.dtype, hidden.device)
-        position_embeddings = self.rotary(hidden, positions)  # cos/sin from fp32 angles, cast to hidden's dtype
-        return self.layer(
-            hidden,
-            attention_mask=attention_mask.to(hidden.dtype),
-            position_ids=positions,
-            cache=cache,
-            use_cache=cache is not None,
-            position_embeddings=position_embeddings,
-        )
+            attention_mask = causal_mask(features.shape[1], past, features.dtype, features.device)
+        position_embeddings = self.rotary(features, positions)  # cos/sin from fp32 angles, cast to the features' dtype
+        return self.decode(token_embeds.to(features.dtype), features, attention_mask.to(features.dtype), positions,
+                           position_embeddings, cache)
+
+    def decode(self, embeds: torch.Tensor, features: torch.Tensor, attention_mask: torch.Tensor,
+               positions: torch.Tensor, position_embeddings: tuple, cache: DynamicCache | None) -> torch.Tensor:
+        """The decoder layer on ``embeds`` and ``features`` [B, n, H], both in the features' dtype."""
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
+        return self.layer(hidden, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                          use_cache=cache is not None, position_embeddings=position_embeddings)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, n, V_draft] from f̂ [B, n, H] (:meth:`readout`) through the target's LM head."""

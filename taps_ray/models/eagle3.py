@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
-from taps_ray.models.drafter import EAGLE3_ARCHITECTURE, DraftHead, causal_mask, target_layers
+from taps_ray.models.drafter import EAGLE3_ARCHITECTURE, DraftHead, target_layers
 
 
 def aux_layers(layers: int) -> tuple[int, int, int]:
@@ -106,23 +106,6 @@ class Eagle3Head(DraftHead):
         return cls(target_config, draft_to_target=draft_to_target, seed=meta.get("seed", 0), metadata=metadata,
                    aux=meta.get("aux_layers"))
 
-    def forward(
-        self,
-        token_embeds: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Outputs [B, n, H] (pre-norm; fed back as the next level's feature).
-
-        ``token_embeds`` [B, n, H] embeds token_{i+1}; ``features`` [B, n, H] are fused (:meth:`fuse`) target
-        features or the drafter's own outputs; ``positions`` [B, n]; ``attention_mask`` additive
-        [B, 1, n, P + n] (causal over the cache when None). ``cache`` is extended in place by n entries.
-        """
-        past = cache.get_seq_length() if cache is not None else 0
-        if attention_mask is None:
-            attention_mask = causal_mask(features.shape[1], past, features.dtype, features.device)
-        position_embeddings = self.rotary(features, positions)
-        return self.midlayer(token_embeds.to(features.dtype), features, attention_mask.to(features.dtype),
-                             position_embeddings, cache)
+    def decode(self, embeds: torch.Tensor, features: torch.Tensor, attention_mask: torch.Tensor,
+               positions: torch.Tensor, position_embeddings: tuple, cache: DynamicCache | None) -> torch.Tensor:
+        return self.midlayer(embeds, features, attention_mask, position_embeddings, cache)
