@@ -22,7 +22,15 @@ import uuid
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from taps_ray.config import ServeConfig
@@ -107,6 +115,14 @@ def _unsupported(table: dict[str, tuple]):
     return field_validator(*table)(classmethod(check))
 
 
+def _unsupported_fields(name: str, table: dict[str, tuple]) -> type[BaseModel]:
+    """A model declaring ``table``'s fields (any value, default null) and refusing all but their neutral values:
+    a base of the request models, so each unsupported field is named once, in its table."""
+    return create_model(name, __config__=ConfigDict(extra="ignore"),
+                        __validators__={"check_unsupported": _unsupported(table)},
+                        **{field: (Any, None) for field in table})
+
+
 def _unicode(value: str) -> str:
     try:
         value.encode("utf-8")
@@ -157,9 +173,6 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: Finite | None = None
-    frequency_penalty: Finite | None = None
-    logit_bias: Any = None
     user: Text | None = None
     taps: TapsOptions | None = None
 
@@ -217,15 +230,10 @@ class TextPart(_Body):
     text: Text
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Body, _unsupported_fields("MessageUnsupported", MESSAGE_UNSUPPORTED)):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: Any = None
-    function_call: Any = None
-    audio: Any = None
-
-    _check_unsupported = _unsupported(MESSAGE_UNSUPPORTED)
 
     def text(self) -> str:
         if self.content is None:
@@ -233,27 +241,12 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(_Generation, _unsupported_fields("ChatUnsupported", CHAT_UNSUPPORTED)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS["chat"])
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
     store: bool | None = None  # OpenAI's "keep this for distillation": with serve.capture on, what is captured
-
-    _check_unsupported = _unsupported(CHAT_UNSUPPORTED)
 
     @field_validator("messages")
     @classmethod
@@ -284,14 +277,9 @@ class ChatCompletionRequest(_Generation):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(_Generation, _unsupported_fields("CompletionUnsupported", COMPLETION_UNSUPPORTED)):
     prompt: Text | list[int] | list[Text]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS["completions"], strict=True)
-    echo: Any = None
-    best_of: Any = None
-    suffix: Any = None
-
-    _check_unsupported = _unsupported(COMPLETION_UNSUPPORTED)
 
     @property
     def top_logprobs_count(self) -> int | None:
