@@ -1,7 +1,7 @@
 """``taps``: one subcommand per job.
 
-Each subcommand is a ``(add_arguments, run)`` pair registered in :data:`COMMANDS` (they live in
-:mod:`taps_ray.commands`, by group); ``run`` gets the parsed namespace and returns a process exit
+Each subcommand is an ``add_NAME(parser)`` and ``run_NAME(args)`` pair in a module of :mod:`taps_ray.commands`
+(by group, registered in :data:`COMMANDS`; the help line is ``run_NAME``'s docstring); ``run`` gets the parsed namespace and returns a process exit
 code. Errors that are the user's (bad config, bad value, missing file) print one clear line and exit 2,
 never a traceback. Each ``run`` imports what its job needs inside it, so ``taps --help`` and the light
 commands load neither torch nor Ray.
@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from taps_ray.commands import checkpoints, drafting, study
 from taps_ray.commands.common import UserError, load_experiment
@@ -24,38 +25,28 @@ from taps_ray.runstate import RunStateError
 log = logging.getLogger("taps")
 
 
-COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "demo": ("the whole study on one config: prepare, train, eval, interpolation sweep, report",
-             study.add_demo, study.run_demo),
-    "prepare": ("compute and cache target features for the config's datasets", study.add_prepare, study.run_prepare),
-    "generate": ("generate a reply with plain or speculative decoding", drafting.add_generate, drafting.run_generate),
-    "eval": ("benchmarks x strategies x temperatures on Ray actors, then the report", study.add_eval, study.run_eval),
-    "report": ("regenerate an evaluation run's report from its records", study.add_report, study.run_report),
-    "average": ("average drafter checkpoints in weight space", checkpoints.add_average, checkpoints.run_average),
-    "export": ("write a drafter as an EAGLE-1/EAGLE-2 folder for vLLM or SGLang",
-               checkpoints.add_export, checkpoints.run_export),
-    "bench": ("decode speed: vanilla vs HF generate vs prompt lookup vs speculative",
-              drafting.add_bench, drafting.run_bench),
-    "calibrate": ("measure the verification cost model of this machine, dtype, threads and engine (cached)",
-                  drafting.add_calibrate, drafting.run_calibrate),
-    "train": ("train drafter variants concurrently with Ray Train", study.add_train, study.run_train),
-    "adapt": ("fine-tune a drafter on captured serving traffic mixed with its original data (a new version); "
-              "--watch: adapt and promote continuously beside taps serve",
-              study.add_adapt, study.run_adapt),
-    "serve": ("serve the target and drafters behind an OpenAI-compatible API (Ray Serve)",
-              drafting.add_serve, drafting.run_serve),
-    "config-help": ("every config key with its type, default and description (docs/CONFIG.md)",
-                    study.add_config_help, study.run_config_help),
-    "sweep": ("Ray Tune sweep over data-mixture ratios or checkpoint-interpolation weights (tune/*.yaml)",
-              study.add_sweep, study.run_sweep),
+COMMANDS: dict[str, ModuleType] = {
+    "demo": study, "prepare": study, "generate": drafting, "eval": study, "report": study, "average": checkpoints,
+    "export": checkpoints, "bench": drafting, "calibrate": drafting, "train": study, "adapt": study,
+    "serve": drafting, "config-help": study, "sweep": study,
 }
+"""Each subcommand -> the module of :mod:`taps_ray.commands` with its ``add_NAME`` and ``run_NAME`` (``-`` as ``_``)."""
+
+
+def command(name: str) -> tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """The help line (``run_NAME``'s docstring), ``add_arguments`` and ``run`` of subcommand ``name``."""
+    attribute = name.replace("-", "_")
+    run = getattr(COMMANDS[name], f"run_{attribute}")
+    help_text = " ".join((run.__doc__ or "").split()).rstrip(".")
+    return help_text, getattr(COMMANDS[name], f"add_{attribute}"), run
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taps", description="Task-aware speculative decoding on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (help_text, add_arguments, _) in COMMANDS.items():
+    for name in COMMANDS:
+        help_text, add_arguments, _ = command(name)
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
@@ -109,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    _, _, run = COMMANDS[args.command]
+    _, _, run = command(args.command)
     ray_log = _route_ray_logs(args)
     try:
         return run(args)

@@ -163,3 +163,12 @@ def test_calibrate_measures_the_cost_model_and_caches_it_for_every_decode(tmp_pa
     monkeypatch.setattr("taps_ray.spec.cost.measure", lambda *a, **k: pytest.fail("measured again"))
     assert cost_model(target).verify_s == measured["verify_s"]
     assert main(["calibrate", DEMO, "--threads", "0"]) == 2
+
+
+def test_every_command_has_its_help_line_arguments_and_run():
+    from taps_ray.cli import COMMANDS, command
+
+    for name in COMMANDS:
+        help_text, add_arguments, run = command(name)
+        assert len(help_text) > 20 and "\n" not in help_text, name
+        assert callable(add_arguments) and callable(run), name

@@ -17,6 +17,7 @@ def add_average(parser: argparse.ArgumentParser) -> None:
 
 
 def run_average(args: argparse.Namespace) -> int:
+    """Average drafter checkpoints in weight space."""
     from taps_ray.data.contamination import write_averaged
     from taps_ray.drafter_sources import random_drafter_seed, resolve_drafter_dir
     from taps_ray.models.drafter import average_drafters, is_drafter_checkpoint
@@ -73,6 +74,7 @@ def add_export(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """Write a drafter as an EAGLE-2 or EAGLE-3 folder for vLLM or SGLang."""
     from taps_ray.models.drafter import DrafterLoadError
     from taps_ray.models.eagle_format import export_eagle, load_taps_drafter
 

@@ -39,6 +39,7 @@ class _Printer:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """Generate a reply with plain or speculative decoding."""
     from taps_ray.models.target import TargetModel
     from taps_ray.spec.compose import build_strategy
     from taps_ray.spec.decoder import check_sampling, generate
@@ -73,6 +74,7 @@ def add_calibrate(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    """Measure the verification cost model of this machine, dtype, threads and engine (cached)."""
     import torch
 
     from taps_ray.models.target import TargetModel
@@ -123,6 +125,7 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Decode speed: vanilla vs HF generate vs prompt lookup vs speculative (and llama.cpp with --peer)."""
     from taps_ray.config import TreeConfig
     from taps_ray.data.contamination import union_trained_prompts
     from taps_ray.drafter_sources import default_release_drafter, resolve_drafter_dir
@@ -191,6 +194,7 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve the target and drafters behind an OpenAI-compatible API (Ray Serve)."""
     from taps_ray.serving.app import run
 
     cfg = load_experiment(args)

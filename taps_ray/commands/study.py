@@ -20,6 +20,7 @@ def add_demo(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """The whole study on one config: prepare, train, eval, interpolation sweep, report."""
     from taps_ray import demo
 
     demo.run_demo(args.config, args.overrides, full=args.full, sweep=not args.no_sweep)
@@ -33,6 +34,7 @@ def add_prepare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    """Compute and cache target features for the config's datasets."""
     from taps_ray.data.features import prepare_features, summary_table
 
     cfg = load_experiment(args)
@@ -55,6 +57,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Train drafter variants concurrently with Ray Train."""
     from taps_ray.train.launch import run_training, summary_table
 
     cfg = load_experiment(args)
@@ -86,6 +89,8 @@ def add_adapt(parser: argparse.ArgumentParser) -> None:
 
 
 def run_adapt(args: argparse.Namespace) -> int:
+    """Fine-tune a drafter on captured serving traffic mixed with its original data (a new version); --watch:
+    adapt and promote continuously beside taps serve."""
     from taps_ray.adapt.finetune import run_adapt as adapt
     from taps_ray.adapt.promote import PromotionError
 
@@ -180,6 +185,7 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    """Benchmarks x strategies x temperatures on Ray actors, then the report."""
     from taps_ray.eval import runner
     from taps_ray.eval.records import read_records
     from taps_ray.eval.report import build_tables, markdown_table
@@ -201,6 +207,7 @@ def add_report(parser: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    """Regenerate an evaluation run's report from its records."""
     from taps_ray.eval.report import write_report
 
     print(write_report(args.dir, args.sweep))
@@ -214,6 +221,7 @@ def add_sweep(parser: argparse.ArgumentParser) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    """Ray Tune sweep over data-mixture ratios or checkpoint-interpolation weights (tune/*.yaml)."""
     from taps_ray.sweeps.run import run_command
 
     return run_command(args)
@@ -228,6 +236,7 @@ def add_config_help(parser: argparse.ArgumentParser) -> None:
 
 
 def run_config_help(args: argparse.Namespace) -> int:
+    """Every config key with its type, default and description (docs/CONFIG.md)."""
     from taps_ray.config_doc import documents, render_markdown, render_text, select
 
     if args.markdown:
