@@ -371,16 +371,8 @@ def _bench_info(target: TargetModel, tree: TreeConfig, prompts: int, max_new_tok
     return info
 
 
-def run_sweep(
-    target: TargetModel,
-    prompts: list[torch.Tensor],
-    drafter: DraftHead,
-    tree: TreeConfig,
-    max_new_tokens: int,
-    totals: list[int],
-    depths: list[int],
-    lookups: list[int] | None = None,
-) -> list[dict]:
+def run_sweep(target: TargetModel, prompts: list[torch.Tensor], drafter: DraftHead, tree: TreeConfig,
+              max_new_tokens: int, totals: list[int], depths: list[int], lookups: list[int] | None = None) -> list[dict]:
     """tau, speed and break-even tau of the spec strategy for each (depth, total_tokens, lookup_tokens).
 
     Vanilla runs interleaved with the trees; per-step costs are CPU ms (mean over all steps) and

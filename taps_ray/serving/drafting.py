@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -99,18 +100,8 @@ def plan_support(plan: Plan, clients: dict[str, DrafterClient], vocab_size: int,
     answers ``unsupported`` and is skipped), and should not be kept."""
     if not needs_support(plan):
         return None, True
-    deadline = time.monotonic() + timeout_s
-    pending, vocabularies = {}, []
-    for name in plan.drafters:
-        try:
-            pending[name] = clients[name].vocabulary()
-        except Exception as err:
-            log.warning("drafter %s: asking its draft vocabulary failed: %r", name, err)
-    for name, reply in pending.items():
-        try:
-            vocabularies.append(reply.result(deadline - time.monotonic()))
-        except Exception as err:
-            log.warning("drafter %s: asking its draft vocabulary failed: %r", name, err)
+    vocabularies = list(ask_drafters(plan.drafters, clients, lambda c: c.vocabulary(), "draft vocabulary",
+                                     timeout_s).values())
     if not vocabularies:
         return None, False
     support = union_support(vocabularies, vocab_size)
@@ -121,22 +112,31 @@ def plan_support(plan: Plan, clients: dict[str, DrafterClient], vocab_size: int,
     return support, False
 
 
+def ask_drafters(names, clients: dict[str, DrafterClient], question: Callable, what: str,
+                 timeout_s: float) -> dict[str, Any]:
+    """``question(client)`` (a call returning a future) of each drafter of ``names``, asked in parallel: the
+    answers within ``timeout_s``, by drafter; a drafter that fails or does not answer in time is left out
+    (logged as failing to tell its ``what``)."""
+    deadline = time.monotonic() + timeout_s
+    pending, answers = {}, {}
+    for name in names:
+        try:
+            pending[name] = question(clients[name])
+        except Exception as err:
+            log.warning("drafter %s: asking its %s failed: %r", name, what, err)
+    for name, reply in pending.items():
+        try:
+            answers[name] = reply.result(deadline - time.monotonic())
+        except Exception as err:
+            log.warning("drafter %s: asking its %s failed: %r", name, what, err)
+    return answers
+
+
 def drafter_layers(names, clients: dict[str, DrafterClient], timeout_s: float) -> dict[str, tuple[int, ...]]:
     """The target hidden states each drafter of ``names`` reads (its ``feature_layers``), asked in parallel;
     a drafter that does not answer within ``timeout_s`` is left out (logged)."""
-    deadline = time.monotonic() + timeout_s
-    pending, out = {}, {}
-    for name in names:
-        try:
-            pending[name] = clients[name].layers()
-        except Exception as err:
-            log.warning("drafter %s: asking its feature layers failed: %r", name, err)
-    for name, reply in pending.items():
-        try:
-            out[name] = tuple(int(i) for i in reply.result(deadline - time.monotonic()))
-        except Exception as err:
-            log.warning("drafter %s: asking its feature layers failed: %r", name, err)
-    return out
+    answers = ask_drafters(names, clients, lambda c: c.layers(), "feature layers", timeout_s)
+    return {name: tuple(int(i) for i in layers) for name, layers in answers.items()}
 
 
 class RemoteStrategy:
