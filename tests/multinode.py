@@ -28,8 +28,15 @@ def two_node_cluster(head: dict, worker: dict) -> Iterator[tuple[object, object]
     from taps_ray.runtime.cluster import set_ray_env
 
     set_ray_env()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "include_dashboard": False, "object_store_memory": OBJECT_STORE, **head})
+    for attempt in (1, 2):  # Ray gives a node 30 s to register (fixed in ray/_private/node.py): one more on a loaded box
+        try:
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "include_dashboard": False, "object_store_memory": OBJECT_STORE, **head})
+            break
+        except Exception as err:
+            if attempt == 2 or "timed out during startup" not in str(err):
+                raise
+            print(f"the head node did not register in time ({err}); starting it again", flush=True)
     try:
         node = cluster.add_node(object_store_memory=OBJECT_STORE, **worker)
         cluster.wait_for_nodes()

@@ -7,6 +7,7 @@ process group is killed if it overruns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +41,8 @@ def run_scenario(name: str, tmp_path, timeout_s: float) -> dict:
         output, _ = child.communicate()
         pytest.fail(f"scenario {name} ran past {timeout_s}s:\n{output[-6000:]}")
     finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever a failed start left behind in its session
+            os.killpg(child.pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"scenario {name}: {time.monotonic() - started:.1f}s")
     results = [line for line in output.splitlines() if line.startswith("RESULT ")]
