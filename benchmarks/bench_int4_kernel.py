@@ -35,7 +35,8 @@ def load(folder: Path):
     return lib
 
 
-def trial_product(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+def trial_product(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  minimum: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     lib.taps_int4_matmul(x.data_ptr(), bf16, x.shape[0], x.shape[1], codes.data_ptr(), scale.data_ptr(),
@@ -71,7 +72,8 @@ def main() -> None:
         exact = x.double() @ weight.dequantize().double().T
         got = trial_product(lib, x, codes, scale, minimum)
         alone = torch.cat([trial_product(lib, x[i:i + 1], codes, scale, minimum) for i in range(9)])
-        print(f"trial vs dequantized: largest relative error {float((got - exact).abs().max() / exact.abs().max()):.2e}; "
+        error = float((got - exact).abs().max() / exact.abs().max())
+        print(f"trial vs dequantized: largest relative error {error:.2e}; "
               f"rows independent of the row count: {torch.equal(got, alone)}")
         print(f"{args.n}x{args.k}, {torch.get_num_threads()} threads, us per call")
         print(f"{'rows':>5} {'torch int4 bf16':>16} {'trial bf16':>11} {'trial fp32':>11}")

@@ -59,7 +59,8 @@ INLINE void products(const float *x, int64_t K, int rows, int pair, const uint8_
         for (int r = 0; r < rows; r++) lo[w][r] = hi[w][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 w0[2], w1[2];
-        for (int w = 0; w < pair; w++) decode(q + w * stride + 16 * g, s[w * groups + g], mn[w * groups + g], &w0[w], &w1[w]);
+        for (int w = 0; w < pair; w++)
+            decode(q + w * stride + 16 * g, s[w * groups + g], mn[w * groups + g], &w0[w], &w1[w]);
         const float *xg = x + GROUP * g;
         for (int r = 0; r < rows; r++) {
             const __m512 a = _mm512_loadu_ps(xg + r * K), b = _mm512_loadu_ps(xg + r * K + 16);

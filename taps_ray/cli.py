@@ -1,8 +1,8 @@
 """``taps``: one subcommand per job.
 
 Each subcommand is an ``add_NAME(parser)`` and ``run_NAME(args)`` pair in a module of :mod:`taps_ray.commands`
-(by group, registered in :data:`COMMANDS`; the help line is ``run_NAME``'s docstring); ``run`` gets the parsed namespace and returns a process exit
-code. Errors that are the user's (bad config, bad value, missing file) print one clear line and exit 2,
+(by group, registered in :data:`COMMANDS`; the help line is ``run_NAME``'s docstring); ``run`` gets the parsed
+namespace and returns a process exit code. Errors that are the user's (bad config, bad value, missing file) print one clear line and exit 2,
 never a traceback. Each ``run`` imports what its job needs inside it, so ``taps --help`` and the light
 commands load neither torch nor Ray.
 """
