@@ -23,7 +23,7 @@ from taps_ray.config_loading import (
     format_validation_error,
     load_yaml,
 )
-from taps_ray.config_serve import ServeConfig
+from taps_ray.config_serve import RouteProbe, ServeConfig
 
 
 class TargetConfig(Strict):
@@ -351,9 +351,10 @@ class VariantConfig(TrainingOverrides):
         return f"variant {self.name!r}"
 
 
-class EvalConfig(Strict):
+class EvalConfig(RouteProbe):
     """``taps eval``: ``benchmarks`` x ``strategies`` x ``temperatures`` on ``limit`` seeded questions
-    each; the report's claims use the drafter roles ``math``, ``chat`` and ``mixed``."""
+    each; the report's claims use the drafter roles ``math``, ``chat`` and ``mixed``. Its probe knobs
+    (:class:`RouteProbe`) are ``serve.routing``'s."""
 
     benchmarks: list[str] = Field(default_factory=lambda: ["mt_bench", "gsm8k", "math_500", "svamp"], min_length=1,
                                   description="benchmarks evaluated: mt_bench, gsm8k, math_500, svamp")
@@ -374,10 +375,6 @@ class EvalConfig(Strict):
         "paper: the paper's fixed trees without prompt lookup (tau, entropy, depth tables and claims); "
         "production: the configured tree (cost-model sizing, lookup); both: paper records for the tables "
         "and claims, production records beside them for the speed table"))
-    probe_steps: int = Field(default=2, ge=1, description=(
-        "request-granularity routing: steps that probe every drafter before one is chosen"))
-    recheck_every: int = Field(default=0, ge=0, description=(
-        "request-granularity routing: re-probe every that many steps (0: decide once per turn)"))
     num_actors: int = Field(default=1, ge=0, description="Ray actors the questions are sharded over (0: in-process)")
     threads: int | None = Field(default=None, ge=1, description=(
         "torch threads per actor (None: the cores split evenly)"))

@@ -155,14 +155,18 @@ class BatchingConfig(Strict):
         "deployments batch their sessions' forwards with the same wait)"))
 
 
-class RoutingConfig(Strict):
-    """``serve.routing``: how a served request drafts with remote drafters (the same probe knobs as
-    ``eval.probe_steps`` / ``eval.recheck_every``)."""
+class RouteProbe(Strict):
+    """Request-granularity routing's probe knobs, declared once for ``eval`` and ``serve.routing``."""
 
     probe_steps: int = Field(default=2, ge=1, description=(
         "request-granularity routing: steps that probe every drafter before one is chosen"))
     recheck_every: int = Field(default=0, ge=0, description=(
-        "request-granularity routing: re-probe every that many steps (0: decide once per request)"))
+        "request-granularity routing: re-probe every that many steps (0: decide once per request, or eval turn)"))
+
+
+class RoutingConfig(RouteProbe):
+    """``serve.routing``: how a served request drafts with remote drafters."""
+
     draft_deadline_s: float = Field(default=1.0, ge=0, description=(
         "per step: a drafter that has not answered by then is skipped for that step"))
     max_draft_deadline_s: float | None = Field(default=None, ge=0, description=(

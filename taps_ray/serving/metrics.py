@@ -1,5 +1,5 @@
-"""The ingress' metrics: one table of series (:data:`SERIES`), recorded through Ray Serve's metrics
-and into the replica's own Prometheus page.
+"""The ingress' metrics: one table of series (``metrics.toml``, read into :data:`SERIES`), recorded
+through Ray Serve's metrics and into the replica's own Prometheus page.
 
 Where to read them. Every value goes to a ``ray.serve.metrics`` series: all ingress replicas record
 into the same series, which Ray tags with ``deployment``, ``replica`` and ``application``; Ray's
@@ -31,7 +31,9 @@ its histogram sums approximate).
 from __future__ import annotations
 
 import threading
+import tomllib
 from dataclasses import dataclass
+from importlib import resources
 from typing import Literal
 
 from prometheus_client import (
@@ -68,67 +70,20 @@ class Series:
     attribute: str = ""
 
 
-SERIES = {s.name: s for s in (
-    Series("counter", "taps_request_success", "Finished requests by finish reason", ("finished_reason",),
-           vllm="vllm:request_success", attribute="success"),
-    Series("counter", "taps_request_failure", "Requests answered with an error, by HTTP status", ("status",),
-           attribute="failure"),
-    Series("gauge", "taps_num_requests_running", "Requests being decoded", vllm="vllm:num_requests_running",
-           attribute="running"),
-    Series("gauge", "taps_num_requests_waiting", "Requests waiting for a verifier slot",
-           vllm="vllm:num_requests_waiting", attribute="waiting"),
-    Series("counter", "taps_key_refusals", "Requests refused (429) because their API key held its share of the "
-           "slots (serve.admission.max_requests_per_key), by key fingerprint", ("key",), attribute="key_refusals"),
-    Series("counter", "taps_request_aborted", "Requests given up before they finished, by reason (disconnect: the "
-           "client hung up; timeout: serve.limits.request_timeout_s ran out in the queue)", ("reason",),
-           attribute="aborted"),
-    Series("counter", "taps_prompt_tokens", "Prompt tokens of finished requests", vllm="vllm:prompt_tokens",
-           attribute="prompt_tokens"),
-    Series("counter", "taps_generation_tokens", "Generated tokens of finished requests",
-           vllm="vllm:generation_tokens", attribute="generation_tokens"),
-    Series("counter", "taps_spec_decode_num_steps", "Target verification steps (drafted or plain)",
-           attribute="steps"),
-    Series("counter", "taps_spec_decode_num_drafts", "Verified draft trees", vllm="vllm:spec_decode_num_drafts",
-           attribute="drafts"),
-    Series("counter", "taps_spec_decode_num_draft_tokens", "Verified draft tree nodes (root excluded)",
-           vllm="vllm:spec_decode_num_draft_tokens", attribute="draft_tokens"),
-    Series("counter", "taps_spec_decode_num_accepted_tokens", "Accepted draft tokens (before trimming)",
-           vllm="vllm:spec_decode_num_accepted_tokens", attribute="accepted_tokens"),
-    Series("counter", "taps_spec_decode_num_accepted_tokens_per_pos",
-           "Accepted draft tokens by position in the accepted path (0-based)", ("position",),
-           vllm="vllm:spec_decode_num_accepted_tokens_per_pos", attribute="accepted_per_pos"),
-    Series("counter", "taps_spec_decode_num_plain_steps", "Steps decoded without a draft tree",
-           attribute="plain_steps"),
-    Series("counter", "taps_spec_decode_shrunk_steps", "Steps whose draft tree was cut to its share of "
-           "serve.batching.max_tokens under load, or not drafted (a share of one node: a plain step)",
-           attribute="shrunk_steps"),
-    Series("counter", "taps_spec_decode_shed_draft_tokens", "Draft tree nodes cut to fit serve.batching.max_tokens",
-           attribute="shed_draft_tokens"),
-    Series("counter", "taps_spec_decode_route_decisions", "Routing decisions by chosen drafter", ("drafter",),
-           attribute="route_decisions"),
-    Series("counter", "taps_drafter_skipped_steps", "Steps a drafter was skipped in, by reason", ("drafter", "reason"),
-           attribute="drafter_skips"),
-    Series("gauge", "taps_drafter_version", "Drafter replicas serving each drafter version (taps adapt's version; "
-           "0: the configured checkpoint); a promotion moves them to the new version", ("drafter", "version"),
-           attribute="drafter_versions"),
-    Series("counter", "taps_strategy_requests", "Finished requests by strategy", ("strategy",),
-           attribute="strategy_requests"),
-    Series("gauge", "taps_plain_step_seconds", "A plain verification step's seconds in the verifier's cost model "
-           "(tree.adaptive; measured at first use or by taps calibrate)", attribute="plain_step_s"),
-    Series("gauge", "taps_verify_cost_relative", "Verification cost of a tree of this many nodes relative to a plain "
-           "step, in the verifier's cost model", ("nodes",), attribute="verify_cost"),
-    Series("histogram", "taps_acceptance_length", "Per-request tau (tokens appended per step)", buckets=TAU_BUCKETS,
-           attribute="tau"),
-    Series("histogram", "taps_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
-           vllm="vllm:e2e_request_latency_seconds", attribute="e2e"),
-    Series("histogram", "taps_time_to_first_token_seconds", "Time to the first generated text",
-           buckets=LATENCY_BUCKETS, vllm="vllm:time_to_first_token_seconds", attribute="ttft"),
-    Series("histogram", "taps_time_per_output_token_seconds", "Decode time per generated token",
-           buckets=TOKEN_BUCKETS, attribute="tpot"),
-    Series("histogram", "taps_inter_token_latency_seconds", "Time per verification step after the first token "
-           "(one observation per step: the request's mean)", buckets=TOKEN_BUCKETS,
-           vllm="vllm:inter_token_latency_seconds", attribute="itl"),
-)}
+BUCKETS = {"latency": LATENCY_BUCKETS, "token": TOKEN_BUCKETS, "tau": TAU_BUCKETS}
+
+
+def _read_series(text: str) -> dict[str, Series]:
+    """The series declared in ``metrics.toml`` (a section a series, keyed by its ``taps_`` name)."""
+    series = {}
+    for name, row in tomllib.loads(text).items():
+        series[name] = Series(row["kind"], name, row["doc"], tuple(row.get("labels", ())),
+                              BUCKETS[row["buckets"]] if "buckets" in row else (),
+                              "vllm:" + name.removeprefix("taps_") if row.get("vllm") else None, row["attribute"])
+    return series
+
+
+SERIES = _read_series(resources.files(__package__).joinpath("metrics.toml").read_text())
 """Every series, by ``taps_`` name."""
 
 
