@@ -1,37 +1,28 @@
 """A measured cost model of verification, and the tree size that maximises tokens per second, per step.
 
-:class:`CostModel` holds, for one machine and engine setting, the seconds of a verification forward of
-n tree nodes (n = 1 is a plain step) on a log grid of n, measured by :func:`measure` and cached under
-``TAPS_CACHE/cost/`` keyed by :func:`fingerprint` (CPU model and flags or GPU name, dtype, threads,
-torch version, engine, the target's sizes), so a change of any of them measures again.
+:class:`CostModel`: for one machine and engine setting, the seconds of a verification forward of n tree nodes
+(n = 1: a plain step) on a log grid, measured by :func:`measure` and cached under ``TAPS_CACHE/cost/`` keyed by
+:func:`fingerprint` (CPU model and flags or GPU name, dtype, threads, torch version, engine, the target's sizes).
 
-:class:`TreeBudget` uses it each step: with ``p_i`` the predicted chance that node i is accepted (the
-acceptance rate observed for nodes of its kind and score bin, ``score`` being the path's cumulative draft
-log-prob, which EAGLE-2 ranks by; ``exp(score)`` before anything is observed), the best n nodes are expected to append
-``E(n) = 1 + sum_{i < n} p_i`` tokens for ``draft_s + verify(n)`` seconds, and the budget keeps the n
-that maximises ``E(n) / (draft_s + verify(n))`` -- n = 1, a plain step, included. When drafting at its
-recent gain, seconds and size would not beat a plain step it skips drafting, probing again every
-``probe_every`` steps. The cached model gives the shape of the cost curve; its level follows the run
-(:attr:`TreeBudget.scale`: observed verification seconds over the model's), so a host busier or idler
-than when it was measured does not misjudge drafting's own seconds against it. The choice changes which
-tokens are proposed, never which are accepted.
+:class:`TreeBudget` uses it each step. With ``p_i`` the predicted acceptance chance of node i (the rate observed
+for nodes of its kind and score bin, ``score`` the path's cumulative draft log-prob that EAGLE-2 ranks by;
+``exp(score)`` before anything is observed), the best n nodes append ``E(n) = 1 + sum_{i < n} p_i`` tokens for
+``draft_s + verify(n)`` seconds; the budget keeps the n maximising ``E(n) / (draft_s + verify(n))``, n = 1
+included, and skips drafting while it would not beat a plain step (probing again every ``probe_every`` steps,
+the interval doubling up to ``8 * probe_every`` while it still does not pay). The model gives the curve's shape;
+its level follows the run (:attr:`TreeBudget.scale`: observed over predicted seconds). A cached model that runs
+far faster than it predicts was measured on a busy machine and is retired (:func:`retire_cost_model`). The
+choice changes which tokens are proposed, never which are accepted.
 
-In a batch (several requests verified by one forward, :mod:`taps_ray.spec.batch`) the forward's time is
-shared, and it waits for every request's drafting: :class:`~taps_ray.spec.batch_load.BatchLoad` holds each
-request's last rows, appended tokens and drafting seconds. The ``N - 1`` other requests that share this
-request's budget (its peers) decide alike, so they are counted as doing what it does; the rest, with ``R``
-rows expected to append ``S`` tokens after ``D`` seconds of drafting, as they did. A request keeps the n that
-maximises the batch's tokens per second ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` -- a busy
-verifier drafts less, and a batch of requests sharing a budget drafts only when drafting for all of them beats
-decoding all of them plainly (N = 1, R = S = D = 0 alone). While drafting does not pay, the probes that check
-it again back off (their interval doubles after each probe that still does not pay, up to
-``8 * probe_every``).
+In a batch (:mod:`taps_ray.spec.batch`) the forward's time is shared and waits for every request's drafting
+(:class:`~taps_ray.spec.batch_load.BatchLoad`). The ``N - 1`` requests sharing this budget (its peers) decide
+alike; the rest, ``R`` rows expected to append ``S`` tokens after ``D`` seconds of drafting, as they did. A
+request keeps the n maximising ``(N E(n) + S) / (D + N draft_s + verify(R + N n))`` (N = 1, R = S = D = 0 alone).
 
-Depth is chosen the same way, before drafting (:meth:`TreeBudget.depth`): every drafted step tells, in
-hindsight, what a shallower tree would have appended and verified (an accepted path keeps its nodes down to
-the depth, and those on the prompt-lookup chain, which a shallower tree carries too), and each drafted depth's
-own seconds are timed, so the budget drafts down to the depth whose tokens per second are highest (the
-configured depth every ``explore_every``-th drafted step, so the deeper levels stay observed).
+Depth is chosen the same way before drafting (:meth:`TreeBudget.depth`): each drafted step tells in hindsight
+what a shallower tree would have appended and verified (an accepted path keeps its nodes down to that depth and
+those on the prompt-lookup chain), and each depth's drafting seconds are timed; the budget drafts to the depth
+with the most tokens per second (the configured depth every ``explore_every``-th drafted step).
 """
 
 from __future__ import annotations
@@ -40,6 +31,7 @@ import bisect
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import threading
@@ -52,6 +44,8 @@ import torch
 
 from taps_ray.spec.batch_load import Others
 from taps_ray.spec.tree import DraftTree, build_tree
+
+log = logging.getLogger(__name__)
 
 GRID = (1, 2, 4, 8, 16, 32, 64)
 
@@ -158,11 +152,6 @@ def engine_label(engine) -> str:
     return f"static{'-packed' if engine.packed else ''}{graphs}"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostModel:
     """Time one verification forward of each size in ``nodes`` (a chain tree, logits included) after a
@@ -172,6 +161,7 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostMode
     from taps_ray.spec.verify import run_tree
 
     start = time.perf_counter()
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda device: None)
     prefix = min(prefix, target.max_context - max(nodes) - 1)
     ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache(prefix + max(nodes))
@@ -181,10 +171,10 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostMode
     times: list[list[float]] = [[] for _ in nodes]
     for _ in range(repeats + 1):
         for tree, seen in zip(trees, times):
-            _sync(target.device)
+            sync(target.device)
             t0 = time.perf_counter()
             run_tree(target, tree, cache)
-            _sync(target.device)
+            sync(target.device)
             seen.append(time.perf_counter() - t0)
             crop_cache(cache, prefix)
     fastest = torch.tensor([min(seen[1:]) for seen in times], dtype=torch.float64).cummax(0).values
@@ -235,6 +225,22 @@ def _cost_model(target, refresh: bool) -> CostModel:
         os.replace(partial, path)
     target.__dict__["_cost_model"] = model
     return model
+
+
+STALE_SCALE, STALE_AFTER = 0.5, 32
+"""A cached model running under STALE_SCALE of its prediction after STALE_AFTER timed steps is retired."""
+
+
+def retire_cost_model(model: CostModel) -> bool:
+    """Remove ``model`` from the cache if the file still holds it (the next process measures again); True if removed."""
+    path = cost_path(model.key)
+    try:
+        if CostModel.from_dict(json.loads(path.read_text())).verify_s == model.verify_s:
+            path.unlink()
+            return True
+    except (OSError, ValueError, TypeError):
+        pass
+    return False
 
 
 SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -290,6 +296,7 @@ class TreeBudget:
         self._new_request = False
         self._drafted = 0
         self._scaled = 0
+        self._judged = True  # a given cost model is the caller's; one taken from the cache is judged once
         self.scale = 1.0
         self.chosen: deque[int] = deque(maxlen=4096)
 
@@ -300,6 +307,7 @@ class TreeBudget:
         backing off: the peers' count, seen every step, already tells when the load lets drafting pay."""
         if self.cost is None:
             self.cost = cost_model(target)
+            self._judged = False
         self._new_request = True
         return self
 
@@ -309,8 +317,10 @@ class TreeBudget:
         return self.cost
 
     def fresh(self) -> TreeBudget:
-        """A new budget with this one's settings and cost model and nothing observed (e.g. after a warm-up)."""
-        return TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior)
+        """A new budget with this one's settings and cost model (still judged if it was) and nothing observed."""
+        budget = TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior)
+        budget._judged = self._judged
+        return budget
 
     def rates(self, kind: str = "draft") -> torch.Tensor:
         """[bins] the acceptance rate of ``kind`` nodes per score bin (observed, with the prior)."""
@@ -452,6 +462,12 @@ class TreeBudget:
             ratio = verify_s / max(self._cost().verify_one(rows + (1 if tree is None else tree.size)), 1e-9)
             self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio
             self._scaled += 1
+            if not self._judged and self._scaled >= STALE_AFTER:
+                self._judged = True
+                if self.scale < STALE_SCALE and retire_cost_model(self._cost()):
+                    log.warning("the cached cost model predicted verifications %.1fx slower than they run (measured "
+                                "on a busy machine?): removed from the cache; taps calibrate measures it again",
+                                1 / self.scale)
         if tree is None or path is None:
             return
         lookup = self._is_lookup(tree)[1:]

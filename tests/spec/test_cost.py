@@ -418,3 +418,49 @@ def test_greedy_output_equals_vanilla_with_a_budget(name, steep, monkeypatch):
     assert budget.chosen and sum(s.appended for s in spec.steps) + 1 == len(spec.token_ids)
     if not steep:
         assert max(spec.accept_lengths) >= 2
+
+
+def _cached_budget(tmp_path, monkeypatch, verify_s: list[float]) -> tuple[TreeBudget, CostModel]:
+    """A budget bound to a cost model taken from a cache in ``tmp_path`` (as :func:`cost_model` gives it)."""
+    monkeypatch.setattr(cost_module, "cache_dir", lambda: tmp_path)
+    model = CostModel(nodes=[1, 2, 4, 8, 16], verify_s=verify_s, prefix=8, key={"hardware": "test"})
+    cost_module.cost_path(model.key).write_text(json.dumps(model.to_dict()))
+    monkeypatch.setattr(cost_module, "cost_model", lambda target: model)
+    return TreeBudget().bind(object()), model
+
+
+def test_a_cached_cost_model_measured_on_a_busy_machine_is_retired(tmp_path, monkeypatch, caplog):
+    """Plain steps running 5x faster than the cached model says: after STALE_AFTER of them the file is removed
+    (the next process measures again); the running budget keeps the model and its scale."""
+    budget, model = _cached_budget(tmp_path, monkeypatch, [0.05, 0.06, 0.07, 0.09, 0.12])
+    path = cost_module.cost_path(model.key)
+    for _ in range(cost_module.STALE_AFTER - 1):
+        budget.observe(None, None, None, verify_s=0.01)
+    assert path.is_file()
+    budget.fresh().observe(None, None, None, verify_s=0.01)  # a fresh budget starts counting again
+    assert path.is_file()
+    budget.observe(None, None, None, verify_s=0.01)
+    assert not path.is_file() and budget.cost is model and budget.scale == pytest.approx(0.2)
+    assert "predicted verifications 5.0x slower" in caplog.text
+
+
+@pytest.mark.parametrize("observed_s", [0.04, 0.2])
+def test_a_cached_cost_model_that_runs_as_measured_or_slower_stays(tmp_path, monkeypatch, observed_s):
+    """Verifications at 0.8x or 4x the prediction (a loaded machine now) leave the cached model in place."""
+    budget, model = _cached_budget(tmp_path, monkeypatch, [0.05, 0.06, 0.07, 0.09, 0.12])
+    for _ in range(2 * cost_module.STALE_AFTER):
+        budget.observe(None, None, None, verify_s=observed_s)
+    assert cost_module.cost_path(model.key).is_file()
+
+
+def test_a_given_cost_model_or_a_changed_cache_file_is_never_removed(tmp_path, monkeypatch):
+    budget, model = _cached_budget(tmp_path, monkeypatch, [0.05, 0.06, 0.07, 0.09, 0.12])
+    path = cost_module.cost_path(model.key)
+    given = TreeBudget(model)
+    for _ in range(cost_module.STALE_AFTER):
+        given.observe(None, None, None, verify_s=0.001)
+    assert path.is_file()
+    path.write_text(json.dumps({**model.to_dict(), "verify_s": [0.01, 0.02, 0.03, 0.04, 0.05]}))
+    for _ in range(cost_module.STALE_AFTER):
+        budget.observe(None, None, None, verify_s=0.001)
+    assert path.is_file()
