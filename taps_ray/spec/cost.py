@@ -296,7 +296,7 @@ class TreeBudget:
         self._new_request = False
         self._drafted = 0
         self._scaled = 0
-        self._judged = True  # a given cost model is the caller's; one taken from the cache is judged once
+        self._judged = False  # whether the cost model was checked against the run (once; see STALE_SCALE)
         self.scale = 1.0
         self.chosen: deque[int] = deque(maxlen=4096)
 
@@ -307,7 +307,6 @@ class TreeBudget:
         backing off: the peers' count, seen every step, already tells when the load lets drafting pay."""
         if self.cost is None:
             self.cost = cost_model(target)
-            self._judged = False
         self._new_request = True
         return self
 

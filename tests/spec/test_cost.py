@@ -453,14 +453,20 @@ def test_a_cached_cost_model_that_runs_as_measured_or_slower_stays(tmp_path, mon
     assert cost_module.cost_path(model.key).is_file()
 
 
-def test_a_given_cost_model_or_a_changed_cache_file_is_never_removed(tmp_path, monkeypatch):
+def test_a_cost_model_the_cache_does_not_hold_is_never_removed(tmp_path, monkeypatch):
+    """A model given to the budget is judged too, but only the cache file holding that very model is removed."""
     budget, model = _cached_budget(tmp_path, monkeypatch, [0.05, 0.06, 0.07, 0.09, 0.12])
     path = cost_module.cost_path(model.key)
-    given = TreeBudget(model)
+    other = TreeBudget(CostModel(nodes=[1, 2], verify_s=[0.05, 0.06], prefix=8, key=model.key))
     for _ in range(cost_module.STALE_AFTER):
-        given.observe(None, None, None, verify_s=0.001)
+        other.observe(None, None, None, verify_s=0.001)
     assert path.is_file()
     path.write_text(json.dumps({**model.to_dict(), "verify_s": [0.01, 0.02, 0.03, 0.04, 0.05]}))
     for _ in range(cost_module.STALE_AFTER):
         budget.observe(None, None, None, verify_s=0.001)
     assert path.is_file()
+    given = TreeBudget(model)  # as taps bench and the serving verifier give it
+    path.write_text(json.dumps(model.to_dict()))
+    for _ in range(cost_module.STALE_AFTER):
+        given.observe(None, None, None, verify_s=0.001)
+    assert not path.is_file()
