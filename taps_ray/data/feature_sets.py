@@ -40,6 +40,8 @@ class FeatureCacheError(RuntimeError):
 
 
 LAST, EAGLE3 = "last", "eagle3"
+SELECT_BATCH_ROWS = 16
+"""Rows per batch when :meth:`FeatureSet.read_table` streams a selection out of the shards."""
 
 
 def feature_kind(cfg: ExperimentConfig, name: str) -> str:
@@ -123,16 +125,34 @@ class FeatureSet:
     def shard_paths(self) -> list[str]:
         return sorted(str(p) for p in self.path.glob("*.parquet"))
 
-    def read_rows(self, row_ids: np.ndarray | list[int] | None = None) -> list[dict]:
-        """Decode rows (all, or those with ``row_id`` in ``row_ids``) into tensors:
-        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H] (the last hidden state)."""
+    def read_table(self, row_ids: np.ndarray | list[int] | None = None, columns: list[str] | None = None):
+        """The rows (all, or those with ``row_id`` in ``row_ids``, in shard order) as one pyarrow Table.
+
+        A selection is streamed in batches of ``SELECT_BATCH_ROWS`` rows, so memory holds the rows kept and one
+        batch, never the whole set (an EAGLE-3 set of the release recipe is 2 GB)."""
+        import pyarrow as pa
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        table = pq.read_table(self.shard_paths())
-        if row_ids is not None:
-            table = table.filter(pc.is_in(table["row_id"], value_set=__import__("pyarrow").array(np.asarray(row_ids))))
-        return [decode_row(r, self.hidden_size) for r in table.to_pylist()]
+        if row_ids is None:
+            return pq.read_table(self.shard_paths(), columns=columns)
+        wanted = pa.array(np.asarray(row_ids, dtype=np.int64))
+        kept = []
+        for path in self.shard_paths():
+            shard = pq.ParquetFile(path)
+            for batch in shard.iter_batches(batch_size=SELECT_BATCH_ROWS, columns=columns):
+                chosen = batch.filter(pc.is_in(batch["row_id"], value_set=wanted))
+                if chosen.num_rows:
+                    kept.append(chosen)
+        schema = pq.read_schema(self.shard_paths()[0])
+        table = pa.Table.from_batches(kept, schema=pa.schema([schema.field(c) for c in columns]) if columns else schema)
+        pa.default_memory_pool().release_unused()
+        return table
+
+    def read_rows(self, row_ids: np.ndarray | list[int] | None = None) -> list[dict]:
+        """Decode rows (all, or those with ``row_id`` in ``row_ids``) into tensors:
+        ``input_ids`` Long[T], ``loss_mask`` Float[T], ``hidden`` BFloat16[T, H] (the last hidden state)."""
+        return [decode_row(r, self.hidden_size) for r in self.read_table(row_ids).to_pylist()]
 
 
 def decode_row(row: dict, hidden_size: int, layers: int = 1) -> dict:

@@ -123,20 +123,14 @@ def plan_variants(cfg: ExperimentConfig, variants: list[VariantConfig], sets: di
     return plans
 
 
-def _select_rows(batch, row_ids: np.ndarray, dataset: str):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    table = batch.filter(pc.is_in(batch["row_id"], value_set=pa.array(row_ids)))
-    return table.append_column("dataset", pa.array([dataset] * table.num_rows, type=pa.string()))
-
-
 def heldout_tables(sets: dict[str, FeatureSet], rows: dict[str, np.ndarray]) -> dict:
-    """Held-out feature rows per dataset as pyarrow Tables (read on the driver)."""
-    import pyarrow.parquet as pq
+    """Held-out feature rows per dataset as pyarrow Tables with a ``dataset`` column (read on the driver,
+    only those rows: :meth:`FeatureSet.read_table`)."""
+    import pyarrow as pa
 
-    return {name: _select_rows(pq.read_table(sets[name].shard_paths(), columns=FEATURE_COLUMNS), ids, name)
-            for name, ids in sorted(rows.items()) if len(ids)}
+    tables = {name: sets[name].read_table(ids, FEATURE_COLUMNS) for name, ids in sorted(rows.items()) if len(ids)}
+    return {name: table.append_column("dataset", pa.array([name] * table.num_rows, type=pa.string()))
+            for name, table in tables.items()}
 
 
 def copy_final(checkpoint, out: Path) -> None:

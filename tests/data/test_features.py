@@ -15,6 +15,8 @@ from taps_ray.data.feature_sets import (
     open_feature_set,
 )
 from taps_ray.data.features import prepare_features, summary_table, tokenize_conversation
+from taps_ray.train.shards import FEATURE_COLUMNS
+from taps_ray.train.variant import heldout_tables
 
 CHAT = [
     {"role": "user", "content": "Hi there"},
@@ -98,6 +100,13 @@ def test_prepare_writes_rereads_and_hits_cache(tmp_path, monkeypatch, embedded_t
         assert torch.allclose(row["hidden"].float(), expected.to(torch.bfloat16).float(), atol=1e-2)
     subset = fs.read_rows(np.array([1, 3]))
     assert sorted(r["row_id"] for r in subset) == [1, 3]
+    monkeypatch.setattr(feature_sets, "SELECT_BATCH_ROWS", 1)  # a selection streamed row by row, across shards
+    held = heldout_tables({"chat": fs}, {"chat": np.array([4, 0, 3])})["chat"]
+    assert held["row_id"].to_pylist() == [0, 3, 4] and held["dataset"].to_pylist() == ["chat"] * 3
+    assert held.column_names == [*FEATURE_COLUMNS, "dataset"]
+    whole = {r["row_id"]: r for r in fs.read_table(columns=FEATURE_COLUMNS).to_pylist()}
+    assert held.drop_columns(["dataset"]).to_pylist() == [whole[i] for i in (0, 3, 4)]
+    assert fs.read_table(np.array([], dtype=np.int64)).num_rows == 0
     assert fs.prompt_hashes() == [prompt_hash(f"Question {i}: add {i} and {i}?") for i in range(5)]
     (fs.path / FEATURE_PROMPTS).unlink()  # as prepared before prompts were recorded
     second = prepare_features(cfg, target=embedded_target)[0]
