@@ -126,7 +126,8 @@ class FeatureSet:
         return sorted(str(p) for p in self.path.glob("*.parquet"))
 
     def read_table(self, row_ids: np.ndarray | list[int] | None = None, columns: list[str] | None = None):
-        """The rows (all, or those with ``row_id`` in ``row_ids``, in shard order) as one pyarrow Table.
+        """The rows as one pyarrow Table: all of them in shard order, or those with ``row_id`` in ``row_ids``
+        sorted by ``row_id`` (shards are written by parallel actors, so their order is not the rows' order).
 
         A selection is streamed in batches of ``SELECT_BATCH_ROWS`` rows, so memory holds the rows kept and one
         batch, never the whole set (an EAGLE-3 set of the release recipe is 2 GB)."""
@@ -146,6 +147,7 @@ class FeatureSet:
                     kept.append(chosen)
         schema = pq.read_schema(self.shard_paths()[0])
         table = pa.Table.from_batches(kept, schema=pa.schema([schema.field(c) for c in columns]) if columns else schema)
+        table = table.sort_by("row_id")
         pa.default_memory_pool().release_unused()
         return table
 

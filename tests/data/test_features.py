@@ -226,3 +226,21 @@ def test_rows_decode_the_layers_a_drafter_needs():
     with pytest.raises(ValueError, match=r"feature row 5 stores 1 hidden state\(s\) of size 8, 4 needed: .*"
                                          r"data.features.layers: eagle3"):
         feature_sets.decode_row(narrow, 8, 4)
+
+
+def test_a_selection_comes_back_in_row_order_whatever_the_shard_order(tmp_path, monkeypatch):
+    """Parallel actors write shards in any order: a held-out selection is sorted by row_id, streamed batch by batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def shard(name, ids):
+        pq.write_table(pa.table({"row_id": pa.array(ids, pa.int64()), "length": pa.array([1] * len(ids), pa.int64())}),
+                       tmp_path / name)
+
+    shard("part-0.parquet", [7, 3])
+    shard("part-1.parquet", [5, 0, 9])
+    fs = feature_sets.FeatureSet("chat", tmp_path, {"rows": 5})
+    monkeypatch.setattr(feature_sets, "SELECT_BATCH_ROWS", 1)
+    assert fs.read_table([9, 0, 7, 3]).column("row_id").to_pylist() == [0, 3, 7, 9]
+    assert fs.read_table([5], ["row_id"]).to_pylist() == [{"row_id": 5}]
+    assert fs.read_table().column("row_id").to_pylist() == [7, 3, 5, 0, 9]
