@@ -47,9 +47,11 @@ def _timed(parts: dict, name: str, call):
     return wrapped
 
 
-def tree_sizes(target: TargetModel, drafter, tree_cfg, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-    """Per tree size: steps and mean ms of each :data:`TIMED` part, over ``prompts`` (after one warm-up)."""
-    budget = TreeBudget(cost_model(target))
+def tree_sizes(target: TargetModel, drafter, tree_cfg, prompts: list[torch.Tensor], max_new_tokens: int,
+               adaptive: bool = True) -> dict:
+    """Per tree size: steps and mean ms of each :data:`TIMED` part, over ``prompts`` (after one warm-up); the
+    tree sized each step by a cost-model budget, or ``tree_cfg``'s own tree at every step (``adaptive=False``)."""
+    budget = TreeBudget(cost_model(target)) if adaptive else None
     parts: dict[tuple[str, int], list[float]] = defaultdict(list)
     originals = {name: getattr(decoder, name) for name in TIMED}
     with torch.inference_mode():

@@ -32,8 +32,9 @@ from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import atomic_write
 from taps_ray.spec import stats
-from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, engine_label
+from taps_ray.spec.cost import CostModel, TreeBudget, cost_model
 from taps_ray.spec.decoder import generate, greedy_steps, prompt_ids
+from taps_ray.spec.machine import engine_label
 from taps_ray.spec.protocol import SingleStrategy
 
 PROMPT_LOOKUP_TOKENS = 10

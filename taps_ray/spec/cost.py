@@ -2,14 +2,16 @@
 
 :class:`CostModel`: for one machine and engine setting, the seconds of a verification forward of n tree nodes
 (n = 1: a plain step) on a log grid, measured by :func:`measure` and cached under ``TAPS_CACHE/cost/`` keyed by
-:func:`fingerprint` (CPU model and flags or GPU name, dtype, threads, torch version, engine, the target's sizes).
+:func:`~taps_ray.spec.machine.fingerprint` (CPU model and flags or GPU name, dtype, threads, torch version,
+engine, the target's sizes).
 
 :class:`TreeBudget` uses it each step. With ``p_i`` the predicted acceptance chance of node i (the rate observed
 for nodes of its kind and score bin, ``score`` the path's cumulative draft log-prob that EAGLE-2 ranks by;
 ``exp(score)`` before anything is observed), the best n nodes append ``E(n) = 1 + sum_{i < n} p_i`` tokens for
 ``draft_s + verify(n)`` seconds; the budget keeps the n maximising ``E(n) / (draft_s + verify(n))``, n = 1
 included, and skips drafting while it would not beat a plain step (probing again every ``probe_every`` steps,
-the interval doubling up to ``8 * probe_every`` while it still does not pay). The model gives the curve's shape;
+the interval doubling up to ``8 * probe_every`` while it still does not pay, and never so often that the probes'
+observed loss exceeds :data:`PROBE_SHARE` of the time). The model gives the curve's shape;
 its level follows the run (:attr:`TreeBudget.scale`: observed over predicted seconds). A cached model that runs
 far faster than it predicts was measured on a busy machine and is retired (:func:`retire_cost_model`). The
 choice changes which tokens are proposed, never which are accepted.
@@ -28,12 +30,10 @@ with the most tokens per second (the configured depth every ``explore_every``-th
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 import time
 from collections import deque
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from taps_ray.spec.batch_load import Others
+from taps_ray.spec.machine import fingerprint
 from taps_ray.spec.tree import DraftTree, build_tree
 
 log = logging.getLogger(__name__)
@@ -104,52 +105,6 @@ class CostModel:
         """One line: a plain step's milliseconds and each size's cost relative to it."""
         rel = ", ".join(f"{n}: {r:.2f}" for n, r in self.relative().items())
         return f"plain step {1e3 * self.plain_s:.1f} ms; verification cost relative to it by nodes {{{rel}}}"
-
-
-def _cpu_identity() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return f"{model} flags:{hashlib.sha256(' '.join(sorted(flags)).encode()).hexdigest()[:12]}"
-
-
-def fingerprint(target) -> dict:
-    """What a verification's cost depends on: the device (CPU model and flags, or GPU name), dtype, threads,
-    torch version, the target's engine (its product format: oneDNN-packed, int4, and the revision of its code)
-    and sizes."""
-    device = target.device
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
-    engine = getattr(target, "engine", None)
-    return {"device": device.type, "hardware": where, "dtype": str(target.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "engine": "hf" if engine is None else engine_label(engine), "engine_code": engine_revision(),
-            "target": {"hidden": target.hidden_size, "vocab": target.vocab_size,
-                       "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
-
-
-@functools.cache
-def engine_revision() -> str:
-    """A hash of the source of the modules that run a verification forward (the static engine, its products,
-    the transformers attention hook): a change to the engine's code measures the cost model again. Read once per
-process."""
-    from taps_ray.models import attention, engine, graphs, quant
-
-    digest = hashlib.sha256()
-    for module in (engine, quant, attention, graphs):
-        digest.update(Path(str(module.__file__)).read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def engine_label(engine) -> str:
-    """``static``, ``static-packed`` (oneDNN-prepacked dense products), ``static-int4`` (4-bit layer weights) or
-    ``static-fp16`` (half-precision weights through fbgemm); ``-graphs`` appended where steps run as CUDA graphs."""
-    graphs = "-graphs" if getattr(engine, "graphs", None) is not None else ""
-    if engine.weights in ("int4", "fp16"):
-        return f"static-{engine.weights}{graphs}"
-    return f"static{'-packed' if engine.packed else ''}{graphs}"
 
 
 @torch.inference_mode()
@@ -243,6 +198,9 @@ def retire_cost_model(model: CostModel) -> bool:
     return False
 
 
+PROBE_SHARE = 0.02
+"""Probes of drafting that does not pay may cost at most this share of the decoding time between them."""
+
 SCORE_EDGES = (-0.25, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """Bins of a node's path score (cumulative draft log-prob): (-0.25, 0], (-0.5, -0.25], .., below -6."""
 
@@ -265,7 +223,8 @@ class TreeBudget:
     strategy's requests so that its calibration carries over. ``cost`` (None: the target's cached
     :func:`cost_model`, taken by :meth:`bind` when a decode starts); ``decay``: weight of the past per observed
     step; ``probe_every``: how often a step drafts once drafting stops paying (the interval doubles after each
-    probe that still does not pay, up to ``8 * probe_every``); ``explore_every``: how often a drafted step
+    probe that still does not pay, up to ``8 * probe_every``, and never so often that the probes' observed loss
+    exceeds ``probe_share`` of the time, :data:`PROBE_SHARE` by default); ``explore_every``: how often a drafted step
     verifies more nodes than pay (twice as many, at least 4, at most the tree), so that the score bins next in
     line keep being observed; ``chosen``: the node counts of the last 4096 decisions.
 
@@ -279,8 +238,9 @@ class TreeBudget:
     DEPTH_EVIDENCE = 4
 
     def __init__(self, cost: CostModel | None = None, decay: float = 0.98, probe_every: int = 8,
-                 explore_every: int = 4, prior: float = 2.0):
+                 explore_every: int = 4, prior: float = 2.0, probe_share: float = PROBE_SHARE):
         self.cost, self.decay, self.probe_every, self.explore_every = cost, decay, probe_every, explore_every
+        self.probe_share = probe_share
         self._edges = torch.tensor(SCORE_EDGES, dtype=torch.float64)
         mids = torch.tensor([0.0, *SCORE_EDGES], dtype=torch.float64)
         mids = torch.cat([(mids[:-1] + mids[1:]) / 2, mids[-1:] - 1.0])
@@ -317,7 +277,7 @@ class TreeBudget:
 
     def fresh(self) -> TreeBudget:
         """A new budget with this one's settings and cost model (still judged if it was) and nothing observed."""
-        budget = TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior)
+        budget = TreeBudget(self.cost, self.decay, self.probe_every, self.explore_every, self._prior, self.probe_share)
         budget._judged = self._judged
         return budget
 
@@ -333,7 +293,8 @@ class TreeBudget:
         verified nodes, drafted steps would append fewer tokens per second than plain ones beside the batch's
         :class:`Others` (``(N g + S) / (D + N d + verify(R + N n))`` against ``(N + S) / (D + verify(R + N))``,
         N = 1 + peers); then once in a while, to see again: after ``probe_every`` skipped steps (``probe_every *
-        N`` calls of the budget its peers share), the gap doubling after each probe that still does not pay."""
+        N`` calls of the budget its peers share), the gap doubling after each probe that still does not pay, and
+        at least the gap that keeps the probes' loss within ``probe_share`` of the time (:meth:`_probe_floor`)."""
         others = Others(*others)
         if self._new_request:
             self._new_request = False
@@ -343,7 +304,7 @@ class TreeBudget:
             self._probe_gap, self._skipped = self.probe_every, 0
             return True
         self._skipped += 1
-        if self._skipped >= self._probe_gap * (1 + others.peers):
+        if self._skipped >= max(self._probe_gap, self._probe_floor(others)) * (1 + others.peers):
             self._skipped = 0
             self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
             return True
@@ -356,6 +317,19 @@ class TreeBudget:
         plain = (1 + peers + tokens) / (waits + self.scale * self._cost().verify_one(rows + 1 + peers))
         rates = self._depth_rates(others)
         return not rates or max(rates.values()) >= plain
+
+    def _probe_floor(self, others: Others) -> float:
+        """Skipped steps before a probe so that probing costs at most ``probe_share`` of the plain steps' time: a
+        probe at the depth paying best loses its seconds less the time plain steps would take for its tokens."""
+        rates = self._depth_rates(others)
+        if not rates:
+            return 0.0
+        rows, tokens, waits, peers = others
+        plain_s = waits + self.scale * self._cost().verify_one(rows + 1 + peers)
+        best = max(rates, key=lambda d: rates[d])
+        appended = (1 + peers) * self._depths[best].gain + tokens
+        lost = appended * (1 / rates[best] - plain_s / (1 + peers + tokens))
+        return max(lost, 0.0) / (self.probe_share * plain_s)
 
     def _draft_s(self, depth: int) -> float:
         """Seconds of drafting down to ``depth``: as timed there, else scaled from the deepest timed depth by

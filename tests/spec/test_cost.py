@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.spec import cost as cost_module
+from taps_ray.spec import machine
 from taps_ray.spec.batch_load import BatchLoad, Others
 from taps_ray.spec.compose import build_strategy
-from taps_ray.spec.cost import CostModel, TreeBudget, cost_model, fingerprint
+from taps_ray.spec.cost import PROBE_SHARE, CostModel, TreeBudget, cost_model
 from taps_ray.spec.decoder import generate
+from taps_ray.spec.machine import fingerprint
 from taps_ray.spec.tree import build_tree
 from tests.spec.spec_helpers import bigram_target, oracle_drafter, random_prompt, sharp_drafter
 
@@ -251,7 +254,7 @@ def test_strategies_draft_no_deeper_than_the_step_asks():
 
 
 def test_a_new_request_probes_again_after_probe_every_steps():
-    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3, probe_share=math.inf)
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
     assert [i for i in range(50) if budget.should_draft()] == [2, 8, 20, 44]
     budget.bind(object())
@@ -261,12 +264,27 @@ def test_a_new_request_probes_again_after_probe_every_steps():
 def test_a_new_request_beside_peers_keeps_the_probes_backing_off():
     """Under load every arriving request would otherwise restart the probes of the budget its peers share; the
     peers' count, seen each step, already says when the load lets drafting pay again."""
-    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3, probe_share=math.inf)
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
     assert [i for i in range(50) if budget.should_draft()] == [2, 8, 20, 44]
     budget.bind(object())
     peers = Others(peers=1)
     assert not any(budget.should_draft(peers) for _ in range(9)), "the gap stays at 24 steps (48 calls of 2)"
+
+
+def test_probes_that_lose_much_come_no_more_often_than_their_loss_allows():
+    """A probe that took 11 plain steps' time for one token loses 10 of them: at least 10 / PROBE_SHARE plain
+    steps pass before the next one, for a request alone and for a new one alike."""
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
+    floor = 10 / PROBE_SHARE
+    probes = [i for i in range(int(2.5 * floor)) if budget.should_draft()]
+    assert len(probes) == 2 and probes[0] >= floor - 1 and probes[1] - probes[0] >= floor
+    budget.bind(object())
+    assert not any(budget.should_draft() for _ in range(int(floor) - 1))
+    paying = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    paying.observe(_tree([-0.1]), torch.tensor([0, 1]), draft_s=0.1)
+    assert all(paying.should_draft() for _ in range(20)), "drafting that pays is never held back"
 
 
 def test_fresh_keeps_the_settings_and_the_cost_model_and_forgets_the_rest():
@@ -322,7 +340,7 @@ def test_in_a_batch_drafting_pays_only_against_the_batchs_plain_rate():
 
 
 def test_drafting_pauses_while_it_does_not_pay_and_probes_again_less_and_less_often():
-    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3)
+    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]), probe_every=3, probe_share=math.inf)
     assert budget.should_draft()
     budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=10.0)
     probes = [i for i in range(100) if budget.should_draft()]
@@ -340,7 +358,7 @@ def test_requests_sharing_a_budget_draft_only_when_drafting_for_all_of_them_pays
     """Alone, 3 tokens for 8 nodes and 10 ms of drafting beat a 40 ms plain step; 16 requests of one budget
     drafting alike would append 48 tokens in 16 x 10 ms + a 128-row forward, against 16 in one 16-row forward."""
     model = CostModel([1, 2, 4, 8, 16, 32, 64, 128], [0.04, 0.04, 0.04, 0.045, 0.05, 0.07, 0.1, 0.15], prefix=64)
-    budget = TreeBudget(model, probe_every=2)
+    budget = TreeBudget(model, probe_every=2, probe_share=math.inf)
     budget.observe(_tree([-0.1] * 7), torch.tensor([0, 1, 2]), draft_s=0.010, verify_s=0.045)
     assert budget.pays() and budget.pays(Others(peers=1))
     peers = Others(peers=15)
@@ -392,8 +410,8 @@ def test_cost_model_is_measured_once_cached_and_keyed_by_the_machine(tmp_path, m
 
 def test_a_change_to_the_engines_code_measures_the_cost_model_again(monkeypatch, peaky_target):
     key = fingerprint(peaky_target)
-    assert key["engine_code"] == cost_module.engine_revision() and len(key["engine_code"]) == 12
-    monkeypatch.setattr(cost_module, "engine_revision", lambda: "0" * 12)
+    assert key["engine_code"] == machine.engine_revision() and len(key["engine_code"]) == 12
+    monkeypatch.setattr(machine, "engine_revision", lambda: "0" * 12)
     changed = fingerprint(peaky_target)
     assert changed["engine_code"] == "0" * 12
     assert cost_module.cost_path(changed) != cost_module.cost_path(key)
