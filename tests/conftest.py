@@ -101,10 +101,15 @@ def ray_session():
 
 
 SLOW_FIXTURES = {"embedded_target", "ray_session"}
-LONGEST_FIRST = ("serving/test_app.py", "test_crash_resume.py", "train/test_launch.py", "sweeps/test_sweeps.py",
-                 "test_multinode.py", "spec/test_embedded.py", "serving/test_load.py", "serving/test_metrics_export.py")
-"""The modules that take longest (a minute or more each, docs/BENCHMARKS.md): collected first, so that
-``make test``'s processes start on them and the short modules fill the end."""
+LONGEST_FIRST = ("test_crash_resume.py", "serving/test_app.py", "test_multinode.py", "adapt/test_finetune.py",
+                 "sweeps/test_sweeps.py", "spec/test_sampling_composed.py", "serving/test_load_public.py",
+                 "train/test_launch.py", "serving/test_lm_eval_lossless.py", "data/test_clean_clone.py",
+                 "spec/test_embedded.py", "train/test_eagle3_train.py", "serving/test_metrics_export.py",
+                 "serving/test_load.py", "test_types.py", "serving/test_app_eagle3.py", "spec/test_sampling.py",
+                 "data/test_features.py", "serving/test_served_cli.py")
+"""The modules that take longest (40 s or more each alone, longest first; docs/BENCHMARKS.md, "The suite's CPU,
+file by file"): collected first, so that ``make test``'s processes start on them and the short modules fill
+the end."""
 RAY_FIXTURES = {"ray_session"}
 
 
