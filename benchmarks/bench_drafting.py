@@ -2,7 +2,7 @@
 draft head in each format, per row count, on the default target and drafter.
 
     python benchmarks/bench_drafting.py configs/demo.yaml [overrides ...] [--drafter release:math] \
-        [--rows 1,3,8] [--prefix 120] [--calls 20] [--rounds 8] [--out runs/bench/drafting.json]
+        [--rows 1,3,8] [--prefix 120] [--calls 20] [--rounds 8] [--head-rows N] [--out runs/bench/drafting.json]
 
 The variants of each measurement alternate round by round in one process (so a neighbour's burst slows them
 alike); the figure is the 10th percentile of ``rounds x calls`` timed calls, in milliseconds. Head kinds
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=120)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--head-rows", type=int, default=None,
+                        help="time the heads over the first N rows of the target head (a draft vocabulary's size)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         read_linears_packed(drafters["packed"])
     else:
         del drafters["packed"]
-    weight = target.lm_head.weight.detach()
+    weight = target.lm_head.weight.detach()[:args.head_rows]
     kinds = ["dense", *(["packed"] if can_pack(target.device, weight.dtype) else []),
              *(["int4"] if target.device.type == "cpu" and weight.dtype == torch.bfloat16 else [])]
     heads = {kind: DraftHeadProduct(weight, kind) for kind in kinds}
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                         start = time.perf_counter()
                         head(x[0])
                         head_s[kind][n].append(time.perf_counter() - start)
-    result = {"drafter": args.drafter, "dtype": str(dtype).removeprefix("torch."),
+    result = {"drafter": args.drafter, "head_rows": weight.shape[0], "dtype": str(dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "prefix": args.prefix,
               "forward_ms": {name: {n: round(_percentile(v), 3) for n, v in per.items()} for name, per in forward_s.items()},
               "head_ms": {kind: {n: round(_percentile(v), 3) for n, v in per.items()} for kind, per in head_s.items()}}

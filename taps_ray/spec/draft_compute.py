@@ -108,17 +108,25 @@ def draft_head_kind(target) -> str:
     return "packed" if engine is not None and engine.packed else "dense"
 
 
+PACKED_HEAD_MAX_ROWS = 8192
+"""Draft vocabularies up to this many rows read an ``int4`` target's head rows packed instead: at 8192 rows the
+packed product took 0.10 / 0.12 / 0.22 ms at 1 / 3 / 8 rows against int4's 0.14 / 0.21 / 0.47; at 16384 the
+two were within 5% at one row (``benchmarks/bench_drafting.py --head-rows``, docs/BENCHMARKS.md)."""
+
+
 def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, kind: str = "dense") -> DraftHeadProduct:
     """The :class:`DraftHeadProduct` of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H] (the
-    whole of ``weight`` for the whole vocabulary), of ``kind`` (:func:`draft_head_kind`); made once per drafter,
-    head and kind and shared by its sessions."""
+    whole of ``weight`` for the whole vocabulary), of ``kind`` (:func:`draft_head_kind`; ``int4`` reads a
+    vocabulary of at most :data:`PACKED_HEAD_MAX_ROWS` rows packed where the engine can pack); made once per
+    drafter, head and kind and shared by its sessions."""
     cached: tuple[torch.Tensor, dict[str, DraftHeadProduct]] | None = drafter.__dict__.get("_head_rows")
     if cached is None or cached[0] is not weight:
         cached = (weight, {})
         drafter.__dict__["_head_rows"] = cached
     if kind not in cached[1]:
         rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
-        cached[1][kind] = DraftHeadProduct(rows.detach(), kind)
+        small = kind == "int4" and rows.shape[0] <= PACKED_HEAD_MAX_ROWS and can_pack(rows.device, rows.dtype)
+        cached[1][kind] = DraftHeadProduct(rows.detach(), "packed" if small else kind)
     return cached[1][kind]
 
 
