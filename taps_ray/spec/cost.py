@@ -300,11 +300,14 @@ class TreeBudget:
             self._new_request = False
             if not others.peers:
                 self._probe_gap, self._skipped = self.probe_every, 0
-        if not self._drafted_steps or self.pays(others):
+        if not self._drafted_steps:
+            return True
+        rates, plain_s = self._depth_rates(others), self._plain_s(others)
+        if self._pays(others, rates, plain_s):
             self._probe_gap, self._skipped = self.probe_every, 0
             return True
         self._skipped += 1
-        if self._skipped >= max(self._probe_gap, self._probe_floor(others)) * (1 + others.peers):
+        if self._skipped >= max(self._probe_gap, self._probe_floor(others, rates, plain_s)) * (1 + others.peers):
             self._skipped = 0
             self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
             return True
@@ -313,22 +316,26 @@ class TreeBudget:
     def pays(self, others: tuple = Others()) -> bool:
         """Whether drafting, as recently observed at its best depth, beats a plain step beside ``others`` (see
         :meth:`should_draft`)."""
-        rows, tokens, waits, peers = Others(*others)
-        plain = (1 + peers + tokens) / (waits + self.scale * self._cost().verify_one(rows + 1 + peers))
-        rates = self._depth_rates(others)
-        return not rates or max(rates.values()) >= plain
+        others = Others(*others)
+        return self._pays(others, self._depth_rates(others), self._plain_s(others))
 
-    def _probe_floor(self, others: Others) -> float:
+    def _plain_s(self, others: Others) -> float:
+        """Seconds of a plain step beside ``others``: their drafting, then one forward of their rows and N."""
+        return others.draft_s + self.scale * self._cost().verify_one(others.rows + 1 + others.peers)
+
+    @staticmethod
+    def _pays(others: Others, rates: dict[int, float], plain_s: float) -> bool:
+        return not rates or max(rates.values()) >= (1 + others.peers + others.tokens) / plain_s
+
+    def _probe_floor(self, others: Others, rates: dict[int, float], plain_s: float) -> float:
         """Skipped steps before a probe so that probing costs at most ``probe_share`` of the plain steps' time: a
-        probe at the depth paying best loses its seconds less the time plain steps would take for its tokens."""
-        rates = self._depth_rates(others)
+        probe at the depth paying best (``rates``: :meth:`_depth_rates`) loses its seconds less the time plain
+        steps (``plain_s`` each) would take for its tokens."""
         if not rates:
             return 0.0
-        rows, tokens, waits, peers = others
-        plain_s = waits + self.scale * self._cost().verify_one(rows + 1 + peers)
         best = max(rates, key=lambda d: rates[d])
-        appended = (1 + peers) * self._depths[best].gain + tokens
-        lost = appended * (1 / rates[best] - plain_s / (1 + peers + tokens))
+        appended = (1 + others.peers) * self._depths[best].gain + others.tokens
+        lost = appended * (1 / rates[best] - plain_s / (1 + others.peers + others.tokens))
         return max(lost, 0.0) / (self.probe_share * plain_s)
 
     def _draft_s(self, depth: int) -> float:
