@@ -326,7 +326,8 @@ def run_bench(
     notes["spec-cost"] = "the same tree as an upper bound, sized per step by the cost model"
     for name in (peers or []) if greedy else []:
         methods[name] = peer_method(name, target, max_new_tokens)
-        notes[name] = f"{PEER_NOTE}, {torch.get_num_threads()} threads"
+        notes[name] = "; ".join(filter(None, [f"{PEER_NOTE}, {torch.get_num_threads()} threads",
+                                              getattr(methods[name], "note", "")]))
     runs = run_methods(prompts, methods)
     rows = [summarize_runs(name, method_runs, notes.get(name, "")) for name, method_runs in runs.items()]
     base = rows[0]
