@@ -131,7 +131,10 @@ def test_each_drafter_state_reads_its_own_layers_of_a_union():
         shared.add(tokens, features)
         alone.add(tokens, own)
         a, b = draft_tree(drafter, DEEP, shared, cfg), draft_tree(drafter, DEEP, alone, cfg)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score)
+        assert torch.equal(a.tokens, b.tokens)  # the columns: another layer's features would draft otherwise
+        # the same values in other buffers: oneDNN's float32 product may round the last bit otherwise (seen on an
+        # AMX Xeon), so the scores agree to float32 rounding, as in the per-node reference test above
+        torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"target features hold hidden states \[8\]; a drafter needs \[2, 4, 5\] "
                                          r"\(missing \[2, 4, 5\]\)"):
         DrafterState(eagle3)
