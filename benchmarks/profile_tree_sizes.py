@@ -7,8 +7,9 @@ Decodes ``--limit`` prompts of the ``taps bench`` draw greedily with the drafter
 :class:`~taps_ray.spec.cost.TreeBudget` across the prompts, as ``taps bench`` keeps it), timing each step's target
 forward (``run_tree``; a plain step's ``_plain_step``, size 1), acceptance and cache compaction by tree size: mean milliseconds and the number of steps.
 Then times one product of a decoder layer's gate/up shape (``[rows, H] x [I, H]^T``) by row count in the formats
-torch offers on this CPU: int4 codes, int8 weights and dense ``F.linear`` in the target's dtype (the 10th
-percentile of ``--calls`` calls, microseconds).
+torch offers on this CPU: int4 codes, int8 weights, dense ``F.linear`` in the target's dtype and the engine's
+oneDNN-prepacked dense product (:class:`~taps_ray.models.engine.Linear`; AMX tiles where the CPU has them) (the
+10th percentile of ``--calls`` calls, microseconds).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from taps_ray.config import load_config
 from taps_ray.eval.bench import benchmark_prompts
+from taps_ray.models.engine import Linear, can_pack
 from taps_ray.models.target import TargetModel
 from taps_ray.runstate import write_json
 from taps_ray.spec import decoder
@@ -86,7 +88,8 @@ def products(hidden: int, inner: int, dtype: torch.dtype, rows: list[int], calls
     """Microseconds of one ``[rows, hidden] x [inner, hidden]^T`` product per format and row count (random
     weights: the kernels' speed does not depend on the values)."""
     weight = torch.randn(inner, hidden, dtype=dtype)
-    formats = {"dense": lambda x: F.linear(x, weight)}
+    packed = Linear(weight, None, can_pack(weight.device, dtype))
+    formats = {"dense": lambda x: F.linear(x, weight), "dense-packed": packed}
     if dtype == torch.bfloat16:
         codes = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (inner, hidden), dtype=torch.int32), 1)
         scale_zero = torch.randn(hidden // 32, inner, 2, dtype=dtype)

@@ -29,6 +29,6 @@ def test_tree_sizes_times_each_step_by_its_size_and_restores_the_decoder(tmp_pat
 
 def test_products_time_every_format_at_every_row_count():
     times = profile_tree_sizes.products(64, 128, torch.bfloat16, [1, 5], calls=10)
-    assert set(times) == {"int4", "int8", "dense"}
+    assert set(times) == {"int4", "int8", "dense", "dense-packed"}
     assert all(set(per) == {1, 5} and all(us > 0 for us in per.values()) for per in times.values())
-    assert set(profile_tree_sizes.products(64, 128, torch.float32, [2], calls=10)) == {"dense"}
+    assert set(profile_tree_sizes.products(64, 128, torch.float32, [2], calls=10)) == {"dense", "dense-packed"}
