@@ -49,6 +49,10 @@ class TargetConfig(Strict):
         "weights, float32 activations: fbgemm, CPU); auto: where measured faster, int4 on a CPU with native bf16 "
         "running bfloat16, fp16 on a CPU running float32 from dtype auto, dense elsewhere (an explicit "
         "dtype float32 stays dense: the bitwise reference)"))
+    int4_max_rows: int | None = Field(default=None, ge=1, description=(
+        "int4 weights of a GGUF target: steps of up to this many tokens read the 4-bit codes, wider ones the "
+        "packed dense copy; None: measured on this machine with the cost model (seconds, once, cached under "
+        "TAPS_CACHE)"))
     graphs: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "CUDA graphs of the static engine's steps of up to 64 tokens on one request (models/graphs.py): auto = on "
         "for a CUDA target on the static engine without sliding-window layers, off elsewhere (CPU and MPS have "

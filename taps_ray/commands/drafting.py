@@ -93,6 +93,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     key = model.key
     print(f"cost model of {cfg.target.model} on {key['hardware']} ({key['device']}, {key['dtype']}, "
           f"{key['threads']} threads, engine {key['engine']}, torch {key['torch']}), measured in {model.measured_s:.1f} s")
+    if key.get("int4_max_rows") is not None:
+        print(f"int4 weights: steps of up to {key['int4_max_rows']} tokens read the 4-bit codes, wider ones the "
+              f"packed dense copy ({'pinned by target.int4_max_rows' if target.engine.int4_rows_pinned else 'measured on this machine'})")
     print("| nodes | verify ms | vs plain step |\n|---:|---:|---:|")
     for n, seconds, rel in zip(model.nodes, model.verify_s, model.relative().values()):
         print(f"| {n} | {1e3 * seconds:.1f} | {rel:.2f}x |")

@@ -9,7 +9,8 @@ runs the same arithmetic directly on the model's own weights:
   the two forwards share storage and any in-place change to a weight reaches both);
 - on CPU in float32 (and in bfloat16 where oneDNN has native bf16) every product runs through oneDNN on a
   prepacked copy of its weight (:class:`Linear`); with ``weights="int4"`` the layers' products read 4-bit
-  codes instead (:class:`~taps_ray.models.quant.Int4Linear`) in steps of up to ``INT4_MAX_ROWS`` rows, and
+  codes instead (:class:`~taps_ray.models.quant.Int4Linear`) in steps of up to ``int4_max_rows`` rows (measured per
+  machine: :mod:`taps_ray.spec.calibrate`; ``INT4_MAX_ROWS`` until then), and
   wider steps of a GGUF target (whose dense weights are its codes' values within bf16 rounding) run on the
   packed dense copy, where torch's int4 kernel is slower; the LM head stays dense; with ``weights="fp16"``
   every product, the LM head included, reads half-precision weights (:class:`~taps_ray.models.quant.HalfLinear`);
@@ -214,6 +215,8 @@ class StaticEngine:
         self._final_norm = RMSNorm(base.norm, self.dtype)
         self._codes = {}
         self._head: Linear | None = None
+        self.int4_rows_pinned = False  # int4_max_rows set by target.int4_max_rows: not calibrated
+        self.int4_rows_calibrated = False  # int4_max_rows measured on this machine (spec/calibrate.py)
         self.graphs: StepGraphs | None = None
         if graphs:
             if self.device.type != "cuda" or any(window is not None for window in windows):
@@ -250,6 +253,24 @@ class StaticEngine:
             raise ValueError(f"the int4 codes of {', '.join(names)} do not match the dense weights (largest "
                              f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
         return Int4Linear(codes, bias, self.dtype, weight, Linear(weight, bias, True) if self.packed else None)
+
+    def _wide_int4(self) -> list[Int4Linear]:
+        return [product for layer in self.layers for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if isinstance(product, Int4Linear) and product.wide is not None]
+
+    @property
+    def int4_max_rows(self) -> int | None:
+        """Rows up to which the int4 layer products read their codes, wider steps running on the packed dense
+        copy (None: no product has both, e.g. dense weights or round-to-nearest codes)."""
+        products = self._wide_int4()
+        return products[0].max_rows if products else None
+
+    def set_int4_max_rows(self, rows: int) -> None:
+        """Make every int4 layer product with a packed dense copy read its codes in steps of up to ``rows`` rows."""
+        if rows < 1:
+            raise ValueError(f"int4_max_rows must be >= 1 (1: only one-token steps read the codes), got {rows}")
+        for product in self._wide_int4():
+            product.max_rows = rows
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from taps_ray.spec.batch_load import Others
+from taps_ray.spec.calibrate import calibrate_int4_rows
 from taps_ray.spec.machine import fingerprint
 from taps_ray.spec.tree import DraftTree, build_tree
 
@@ -152,13 +153,15 @@ _MEASURING = threading.Lock()
 
 def cost_model(target, refresh: bool = False) -> CostModel:
     """The cached :class:`CostModel` of ``target`` on this machine (measured and stored when missing, stale
-    or ``refresh``); kept on the target object for the process. Thread-safe: requests starting together
+    or ``refresh``; an int4 engine's step threshold calibrated first, :mod:`taps_ray.spec.calibrate`); kept on
+    the target object for the process. Thread-safe: requests starting together
     wait for one measurement."""
     with _MEASURING:
         return _cost_model(target, refresh)
 
 
 def _cost_model(target, refresh: bool) -> CostModel:
+    calibrate_int4_rows(target, refresh)
     key = fingerprint(target)
     held = getattr(target, "_cost_model", None)
     if held is not None and held.key == key and not refresh:

@@ -23,14 +23,15 @@ def _cpu_identity() -> str:
 
 def fingerprint(target) -> dict:
     """What a verification's cost depends on: the device (CPU model and flags, or GPU name), dtype, threads,
-    torch version, the target's engine (its product format: oneDNN-packed, int4, and the revision of its code)
-    and sizes."""
+    torch version, the target's engine (its product format: oneDNN-packed, int4 and the row count up to which
+    its int4 steps read the codes, and the revision of its code) and sizes."""
     device = target.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
     engine = getattr(target, "engine", None)
     return {"device": device.type, "hardware": where, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "engine": "hf" if engine is None else engine_label(engine), "engine_code": engine_revision(),
+            "int4_max_rows": getattr(engine, "int4_max_rows", None),
             "target": {"hidden": target.hidden_size, "vocab": target.vocab_size,
                        "layers": target.config.num_hidden_layers, "embed_hash": target.fingerprint.embed_hash}}
 
