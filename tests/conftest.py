@@ -10,6 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from taps_ray.config import TargetConfig
+from taps_ray.models.engine import StaticEngine
+from taps_ray.models.quant import quantize_rtn
 from taps_ray.models.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +68,23 @@ def make_tiny_target(seed: int = 0, **kwargs) -> TargetModel:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(**kwargs)).eval()
     return TargetModel(model, tokenizer=None, name=f"tiny-llama-seed{seed}")
+
+
+def make_tiny_int4_target(seed: int = 0) -> TargetModel:
+    """A tiny bf16 Llama whose layer weights are their own round-to-nearest int4 codes' values, on an int4 engine
+    given those codes, as a GGUF target's: its products read the codes in narrow steps and a packed dense copy
+    in wide ones (CPU with native bf16 only)."""
+    target = make_tiny_target(seed)
+    model = target.model.to(torch.bfloat16)
+    codes = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                codes[name] = quantize_rtn(param)
+                param.copy_(codes[name].dequantize())
+    target.dtype = torch.bfloat16
+    target.engine = StaticEngine(model, [None] * len(model.model.layers), "int4", codes)
+    return target
 
 
 @pytest.fixture(scope="session")

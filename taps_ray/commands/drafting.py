@@ -176,10 +176,15 @@ def run_bench(args: argparse.Namespace) -> int:
     if seen:
         print(f"taps bench: questions the drafter trained on are excluded ({len(seen)} training prompts known)",
               file=sys.stderr)
-    report = bench.run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
-                             sweep_total=totals, sweep_depth=depths, sweep_lookup=lookups, sampling=sampling,
-                             reference=reference, peers=args.peer,
-                             settings={"benchmark": args.benchmark, "drafter": drafter_name or "untrained (fresh init)"})
+    from taps_ray.eval.peers import PeerError
+
+    try:
+        report = bench.run_bench(target, prompts, drafter, cfg.tree, args.max_new_tokens, hf=not args.no_hf,
+                                 sweep_total=totals, sweep_depth=depths, sweep_lookup=lookups, sampling=sampling,
+                                 reference=reference, peers=args.peer, settings={
+                                     "benchmark": args.benchmark, "drafter": drafter_name or "untrained (fresh init)"})
+    except PeerError as err:
+        raise UserError(f"--peer: {err}") from None
     json_path, md_path = bench.write_report(report, args.out or cfg.run_dir / "bench")
     print(report.to_markdown())
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)

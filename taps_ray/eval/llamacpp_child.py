@@ -51,13 +51,14 @@ def serve(conn, gguf: str, n_ctx: int, threads: int, eos: list[int], max_new_tok
     """Decode greedily with llama.cpp on ``gguf`` every prompt received on ``conn`` until ``None``: at most
     ``max_new_tokens`` tokens, stopping after an EOS (kept), ``threads`` for both prompt and generation;
     ``extra_buffers``: llama.cpp's AMX / repacked weight buffers where it has them (its default)."""
+    stops = set(eos)
     try:
         model = _load(gguf, n_ctx, threads, extra_buffers)
+        warmup = min(WARMUP_TOKENS, n_ctx - 4)
+        _greedy(model, [(37 * i) % model.n_vocab() for i in range(warmup)], 2, stops)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it as a PeerError
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
-    stops = set(eos)
-    _greedy(model, [100 + (37 * i) % 1000 for i in range(WARMUP_TOKENS)], 2, stops)
     conn.send(("ready", None))
     while (ids := conn.recv()) is not None:
         wall, cpu = time.perf_counter(), time.process_time()

@@ -23,6 +23,8 @@ from taps_ray.models.target import TargetModel
 from taps_ray.models.target_loading import EMBEDDED_PREFIX, embedded_name
 
 PEERS = ("llamacpp",)
+PEER_TIMEOUT_S = 600.0
+"""The longest a peer process may take to load or to decode one prompt before the bench gives up on it."""
 
 
 class PeerError(RuntimeError):
@@ -90,12 +92,15 @@ class _LlamacppProcess:
         try:
             self._receive("ready")
         except PeerError:
+            self.close()
             if self.child.exitcode is None or self.child.exitcode >= 0:
                 raise
             self.died_at_load = self.child.exitcode
 
     def _receive(self, expected: str):
         try:
+            if not self.conn.poll(PEER_TIMEOUT_S):
+                raise PeerError(f"the llama.cpp peer process did not answer in {PEER_TIMEOUT_S:.0f} s")
             kind, payload = self.conn.recv()
         except (EOFError, OSError) as err:
             self.child.join(timeout=5)
@@ -110,9 +115,16 @@ class _LlamacppProcess:
         return self._receive("run")
 
     def close(self) -> None:
+        """End the child: asked to stop, else terminated after 10 s; the pipe closed."""
         if self.child.is_alive():
-            self.conn.send(None)
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
             self.child.join(timeout=10)
+            if self.child.is_alive():
+                self.child.terminate()
+                self.child.join(timeout=5)
         self.conn.close()
 
 

@@ -216,7 +216,7 @@ class StaticEngine:
         self._codes = {}
         self._head: Linear | None = None
         self.int4_rows_pinned = False  # int4_max_rows set by target.int4_max_rows: not calibrated
-        self.int4_rows_calibrated = False  # int4_max_rows measured on this machine (spec/calibrate.py)
+        self.int4_rows_calibrated: dict | None = None  # the key int4_max_rows was measured under (spec/calibrate.py)
         self.graphs: StepGraphs | None = None
         if graphs:
             if self.device.type != "cuda" or any(window is not None for window in windows):

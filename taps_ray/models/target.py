@@ -216,9 +216,14 @@ class TargetModel:
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
                      weights_required=cfg.weights != "auto", graphs=cfg.graphs)
-        if cfg.int4_max_rows is not None and target.engine is not None and target.engine.int4_max_rows is not None:
-            target.engine.set_int4_max_rows(cfg.int4_max_rows)
-            target.engine.int4_rows_pinned = True
+        if cfg.int4_max_rows is not None:
+            if target.engine is not None and target.engine.int4_max_rows is not None:
+                target.engine.set_int4_max_rows(cfg.int4_max_rows)
+                target.engine.int4_rows_pinned = True
+            else:
+                log.warning("target.int4_max_rows=%d has no effect: this target's weights (%s) have no int4 codes "
+                            "with a packed dense copy (a GGUF target with weights int4)", cfg.int4_max_rows,
+                            target.weights)
         if cfg.max_context:
             target.max_context = min(target.max_context, cfg.max_context)
         target.dtype_note = dtype_reason(device, dtype, cfg.dtype)

@@ -48,34 +48,55 @@ def best_threshold(codes_s: list[float], dense_s: list[float], rows: tuple[int, 
     return max(r for r, total in zip(rows, totals) if total <= best)
 
 
+def chain_trees(target, nodes, prefix: int) -> tuple[object, list, int]:
+    """What a verification timing runs: a cache prefilled with random tokens (``prefix``, or fewer where the
+    context must leave room for the longest chain) and a chain tree of each size in ``nodes`` after them;
+    ``(cache, trees, prefix)``."""
+    prefix = min(prefix, target.max_context - max(nodes) - 1)
+    ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(prefix + max(nodes))
+    target.prefill(ids.to(target.device), cache)
+    trees = [build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
+             for n in nodes]
+    return cache, trees, prefix
+
+
+def time_verify(target, tree, cache, prefix: int) -> float:
+    """Seconds of one verification forward of ``tree`` (logits included) on ``cache``, cropped back to
+    ``prefix`` entries after it (a CUDA device synchronised on both sides)."""
+    from taps_ray.models.target_cache import crop_cache
+    from taps_ray.spec.verify import run_tree
+
+    cuda = target.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(target.device)
+    start = time.perf_counter()
+    run_tree(target, tree, cache)
+    if cuda:
+        torch.cuda.synchronize(target.device)
+    seconds = time.perf_counter() - start
+    crop_cache(cache, prefix)
+    return seconds
+
+
 @torch.inference_mode()
 def measure_int4_rows(target, rows: tuple[int, ...] = ROWS, prefix: int = 192, repeats: int = 4) -> dict:
     """Seconds of one verification forward (a chain of n nodes, logits included, after a ``prefix``-token cache)
     per n in ``rows``, reading the codes and reading the dense copy, interleaved over ``repeats`` rounds after a
     warm-up (the fastest kept), and the :func:`best_threshold`. The engine's setting is restored afterwards."""
-    from taps_ray.models.target_cache import crop_cache
-    from taps_ray.spec.verify import run_tree
-
     engine = target.engine
     before = engine.int4_max_rows
     start = time.perf_counter()
-    prefix = min(prefix, target.max_context - max(rows) - 1)
-    ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
-    cache = target.new_cache(prefix + max(rows))
-    target.prefill(ids.to(target.device), cache)
-    trees = [build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
-             for n in rows]
+    cache, trees, prefix = chain_trees(target, rows, prefix)
     seen: dict[str, list[float]] = {"codes": [float("inf")] * len(rows), "dense": [float("inf")] * len(rows)}
     try:
         for round_ in range(repeats + 1):
             for i, tree in enumerate(trees):
                 for name, max_rows in (("codes", max(rows)), ("dense", 1)):
                     engine.set_int4_max_rows(max_rows)
-                    t0 = time.perf_counter()
-                    run_tree(target, tree, cache)
+                    seconds = time_verify(target, tree, cache, prefix)
                     if round_:
-                        seen[name][i] = min(seen[name][i], time.perf_counter() - t0)
-                    crop_cache(cache, prefix)
+                        seen[name][i] = min(seen[name][i], seconds)
     finally:
         engine.set_int4_max_rows(before)
     codes_s, dense_s = seen["codes"], seen["dense"]
@@ -96,18 +117,11 @@ def calibrate_int4_rows(target, refresh: bool = False) -> int | None:
     if engine is None or getattr(engine, "int4_max_rows", None) is None or getattr(engine, "int4_rows_pinned", False):
         return None
     with _MEASURING:
-        if getattr(engine, "int4_rows_calibrated", False) and not refresh:
+        key = calibration_key(target)
+        if engine.int4_rows_calibrated == key and not refresh:
             return engine.int4_max_rows
-        key = {**fingerprint(target), "int4_max_rows": "measured"}
         path = int4_rows_path(key)
-        record = None
-        if path.is_file() and not refresh:
-            try:
-                record = json.loads(path.read_text())
-            except ValueError:
-                record = None
-            if record is not None and record.get("key") != key:
-                record = None
+        record = None if refresh else _read_record(path, key)
         if record is None:
             record = {"key": key, **measure_int4_rows(target)}
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,5 +131,33 @@ def calibrate_int4_rows(target, refresh: bool = False) -> int | None:
             log.info("int4 target: steps of up to %d rows read the codes, wider ones the packed dense copy "
                      "(measured in %.1fs)", record["int4_max_rows"], record["measured_s"])
         engine.set_int4_max_rows(int(record["int4_max_rows"]))
-        engine.int4_rows_calibrated = True
+        engine.int4_rows_calibrated = key
         return engine.int4_max_rows
+
+
+def calibration_key(target) -> dict:
+    """The key of ``target``'s cached threshold: its :func:`~taps_ray.spec.machine.fingerprint` less the
+    threshold it runs with now."""
+    return {**fingerprint(target), "int4_max_rows": "measured"}
+
+
+def _read_record(path: Path, key: dict) -> dict | None:
+    """The cached record at ``path`` if it is a readable record of ``key`` with a valid threshold, else None."""
+    try:
+        record = json.loads(path.read_text())
+        valid = record.get("key") == key and int(record["int4_max_rows"]) >= 1
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return record if valid else None
+
+
+def retire_int4_rows(cost_key: dict) -> bool:
+    """Remove the cached threshold that the cost model of fingerprint ``cost_key`` ran with (both measured on a
+    machine that was busy): the next process measures it again. True if removed."""
+    if cost_key.get("int4_max_rows") is None:
+        return False
+    try:
+        int4_rows_path({**cost_key, "int4_max_rows": "measured"}).unlink()
+        return True
+    except OSError:
+        return False

@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 from taps_ray.spec.batch_load import Others
-from taps_ray.spec.calibrate import calibrate_int4_rows
+from taps_ray.spec.calibrate import calibrate_int4_rows, chain_trees, retire_int4_rows, time_verify
 from taps_ray.spec.machine import fingerprint
-from taps_ray.spec.tree import DraftTree, build_tree
+from taps_ray.spec.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -113,26 +113,12 @@ def measure(target, nodes=GRID, prefix: int = 192, repeats: int = 5) -> CostMode
     """Time one verification forward of each size in ``nodes`` (a chain tree, logits included) after a
     ``prefix``-token cache: after one warm-up round, ``repeats`` rounds over every size (so that a neighbour's
     burst slows every size alike rather than one), the fastest of each size, made non-decreasing in n."""
-    from taps_ray.models.target_cache import crop_cache
-    from taps_ray.spec.verify import run_tree
-
     start = time.perf_counter()
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda device: None)
-    prefix = min(prefix, target.max_context - max(nodes) - 1)
-    ids = torch.randint(2, target.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
-    cache = target.new_cache(prefix + max(nodes))
-    target.prefill(ids.to(target.device), cache)
-    trees = [build_tree(list(range(2, 2 + n)), list(range(-1, n - 1)), prefix_len=prefix).to(target.device)
-             for n in nodes]
+    cache, trees, prefix = chain_trees(target, nodes, prefix)
     times: list[list[float]] = [[] for _ in nodes]
     for _ in range(repeats + 1):
         for tree, seen in zip(trees, times):
-            sync(target.device)
-            t0 = time.perf_counter()
-            run_tree(target, tree, cache)
-            sync(target.device)
-            seen.append(time.perf_counter() - t0)
-            crop_cache(cache, prefix)
+            seen.append(time_verify(target, tree, cache, prefix))
     fastest = torch.tensor([min(seen[1:]) for seen in times], dtype=torch.float64).cummax(0).values
     return CostModel(list(nodes), fastest.tolist(), prefix, fingerprint(target), round(time.perf_counter() - start, 2))
 
@@ -190,11 +176,13 @@ STALE_SCALE, STALE_AFTER = 0.5, 32
 
 
 def retire_cost_model(model: CostModel) -> bool:
-    """Remove ``model`` from the cache if the file still holds it (the next process measures again); True if removed."""
+    """Remove ``model`` from the cache if the file still holds it, with the int4 threshold it ran with (the next
+    process measures both again); True if removed."""
     path = cost_path(model.key)
     try:
         if CostModel.from_dict(json.loads(path.read_text())).verify_s == model.verify_s:
             path.unlink()
+            retire_int4_rows(model.key)
             return True
     except (OSError, ValueError, TypeError):
         pass

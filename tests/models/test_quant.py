@@ -25,7 +25,7 @@ from taps_ray.models.quant import (
     read_gguf_q4_1,
 )
 from taps_ray.models.target import TargetLoadError, TargetModel
-from tests.conftest import make_tiny_target
+from tests.conftest import make_tiny_int4_target, make_tiny_target
 
 
 def _q4_1_like(n: int, k: int, seed: int = 0) -> Int4Weight:
@@ -286,17 +286,9 @@ def test_an_int4_engine_on_its_files_codes_runs_wide_steps_on_the_packed_dense_c
     """Given codes (a GGUF's own) match the dense weights, so a step wider than INT4_MAX_ROWS reads the packed
     dense copy (faster there) and follows the codes' own product within bf16 rounding; round-to-nearest
     codes (no file) differ from the dense weights, so they never hand over."""
-    tiny = make_tiny_target(0)
-    model = tiny.model.to(torch.bfloat16)
-    codes = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.startswith("model.layers.") and name.endswith("proj.weight"):
-                codes[name] = quantize_rtn(param)
-                param.copy_(codes[name].dequantize())
-    windows = [None] * len(model.model.layers)
-    given = StaticEngine(model, windows, "int4", codes)
-    rounded = StaticEngine(model, windows, "int4")
+    tiny = make_tiny_int4_target(0)
+    model, given = tiny.model, tiny.engine
+    rounded = StaticEngine(model, [None] * len(model.model.layers), "int4")
     layer = given.layers[0]
     assert all(isinstance(p.wide, Linear) and p.max_rows == INT4_MAX_ROWS
                for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from taps_ray.models.engine import Linear, StaticEngine, can_pack
-from taps_ray.models.quant import INT4_MAX_ROWS, int4_unsupported, quantize_rtn
+from taps_ray.models.engine import Linear, can_pack
+from taps_ray.models.quant import INT4_MAX_ROWS, int4_unsupported
 from taps_ray.spec import calibrate, cost
 from taps_ray.spec.calibrate import ROWS, best_threshold, calibrate_int4_rows, int4_rows_path
 from taps_ray.spec.machine import fingerprint
-from tests.conftest import make_tiny_target
+from tests.conftest import make_tiny_int4_target, make_tiny_target
 
 
 def test_the_threshold_minimises_the_total_and_is_not_moved_by_one_noisy_point():
@@ -26,22 +26,6 @@ def test_the_threshold_minimises_the_total_and_is_not_moved_by_one_noisy_point()
     assert best_threshold([1, 2, 5, 5], [1, 2, 5, 5], (1, 2, 3, 4)) == 4, "a tie keeps the codes"
 
 
-def _int4_target():
-    """A tiny bf16 Llama whose layer weights are their own int4 codes' values, on an int4 engine with packed
-    dense copies (as a GGUF target's)."""
-    target = make_tiny_target(0)
-    model = target.model.to(torch.bfloat16)
-    codes = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.startswith("model.layers.") and name.endswith("proj.weight"):
-                codes[name] = quantize_rtn(param)
-                param.copy_(codes[name].dequantize())
-    target.dtype = torch.bfloat16
-    target.engine = StaticEngine(model, [None] * len(model.model.layers), "int4", codes)
-    return target
-
-
 needs_int4 = pytest.mark.skipif(int4_unsupported(torch.device("cpu"), torch.bfloat16) is not None
                                 or not can_pack(torch.device("cpu"), torch.bfloat16),
                                 reason="int4 codes with a packed bf16 copy need a CPU with native bf16 (oneDNN)")
@@ -50,7 +34,7 @@ needs_int4 = pytest.mark.skipif(int4_unsupported(torch.device("cpu"), torch.bflo
 @needs_int4
 def test_an_int4_target_is_calibrated_once_cached_and_its_threshold_keys_the_cost_model(tmp_path, monkeypatch):
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
-    target = _int4_target()
+    target = make_tiny_int4_target()
     engine = target.engine
     products = [p for layer in engine.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     assert all(isinstance(p.wide, Linear) for p in products) and engine.int4_max_rows == INT4_MAX_ROWS
@@ -67,13 +51,19 @@ def test_an_int4_target_is_calibrated_once_cached_and_its_threshold_keys_the_cos
     assert json.loads(int4_rows_path(key).read_text())["int4_max_rows"] == 3
     assert fingerprint(target)["int4_max_rows"] == 3, "the cost model is keyed by the threshold it runs with"
 
-    again = _int4_target()
+    again = make_tiny_int4_target()
     assert calibrate_int4_rows(again) == 3 and len(calls) == 1, "a second process reads the cached threshold"
     monkeypatch.setattr(cost, "measure", lambda t: cost.CostModel([1, 2], [0.01, 0.02], 8, fingerprint(t)))
-    fresh = _int4_target()
+    fresh = make_tiny_int4_target()
     assert cost.cost_model(fresh).key["int4_max_rows"] == 3 and fresh.engine.int4_rows_calibrated
 
-    pinned = _int4_target()
+    model = cost.cost_model(fresh)
+    cost.cost_path(model.key).write_text(json.dumps(model.to_dict()))
+    assert cost.retire_cost_model(model) and not int4_rows_path(key).exists(), "retired with its cost model"
+    int4_rows_path(key).write_text('{"key": "not this one", "int4_max_rows": 0}')
+    assert calibrate_int4_rows(make_tiny_int4_target()) == 3 and len(calls) == 2, "an unusable record is measured again"
+
+    pinned = make_tiny_int4_target()
     pinned.engine.set_int4_max_rows(6)
     pinned.engine.int4_rows_pinned = True
     assert calibrate_int4_rows(pinned) is None and pinned.engine.int4_max_rows == 6, "target.int4_max_rows wins"
