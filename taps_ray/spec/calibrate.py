@@ -48,6 +48,15 @@ def best_threshold(codes_s: list[float], dense_s: list[float], rows: tuple[int, 
     return max(r for r, total in zip(rows, totals) if total <= best)
 
 
+def store_json(path: Path, record: dict) -> None:
+    """Write ``record`` to the cache file ``path`` whole or not at all (a partial file per process and thread,
+    renamed over it), making its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+
+
 def chain_trees(target, nodes, prefix: int) -> tuple[object, list, int]:
     """What a verification timing runs: a cache prefilled with random tokens (``prefix``, or fewer where the
     context must leave room for the longest chain) and a chain tree of each size in ``nodes`` after them;
@@ -124,10 +133,7 @@ def calibrate_int4_rows(target, refresh: bool = False) -> int | None:
         record = None if refresh else _read_record(path, key)
         if record is None:
             record = {"key": key, **measure_int4_rows(target)}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
-            partial.write_text(json.dumps(record, indent=1))
-            os.replace(partial, path)
+            store_json(path, record)
             log.info("int4 target: steps of up to %d rows read the codes, wider ones the packed dense copy "
                      "(measured in %.1fs)", record["int4_max_rows"], record["measured_s"])
         engine.set_int4_max_rows(int(record["int4_max_rows"]))

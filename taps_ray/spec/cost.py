@@ -33,7 +33,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -43,7 +42,13 @@ from pathlib import Path
 import torch
 
 from taps_ray.spec.batch_load import Others
-from taps_ray.spec.calibrate import calibrate_int4_rows, chain_trees, retire_int4_rows, time_verify
+from taps_ray.spec.calibrate import (
+    calibrate_int4_rows,
+    chain_trees,
+    retire_int4_rows,
+    store_json,
+    time_verify,
+)
 from taps_ray.spec.machine import fingerprint
 from taps_ray.spec.tree import DraftTree
 
@@ -163,10 +168,7 @@ def _cost_model(target, refresh: bool) -> CostModel:
             model = None
     if model is None:
         model = measure(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
-        partial.write_text(json.dumps(model.to_dict(), indent=1))
-        os.replace(partial, path)
+        store_json(path, model.to_dict())
     target.__dict__["_cost_model"] = model
     return model
 
