@@ -57,6 +57,11 @@ class TargetConfig(Strict):
         "CUDA graphs of the static engine's steps of up to 64 tokens on one request (models/graphs.py): auto = on "
         "for a CUDA target on the static engine without sliding-window layers, off elsewhere (CPU and MPS have "
         "none); on: required (an error where they cannot run)"))
+    compile: bool = Field(default=False, description=(
+        "run one request's narrow int4 steps on CPU as one inductor-compiled forward (models/compiled.py): "
+        "plain steps 1.1-1.2x faster on the AVX-512 bf16 kind, but 5-70 s of compile per step shape in a "
+        "process whose inductor disk cache is cold (docs/BENCHMARKS.md); an error where it cannot run (not "
+        "int4 on CPU, sliding windows, q/k norms)"))
 
     @field_validator("device")
     @classmethod

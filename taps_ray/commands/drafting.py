@@ -170,7 +170,7 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter = load_drafters(target, [drafter_name] if drafter_name else [], cfg.drafter.seed)[0]
     reference = None
     if not target.exact_reference and sampling.temperature == 0 and not args.no_exactness:
-        reference = TargetModel.load(cfg.target.model_copy(update={"dtype": "float32", "weights": "dense"}))
+        reference = TargetModel.load(cfg.target.model_copy(update={"dtype": "float32", "weights": "dense", "compile": False}))
     seen = union_trained_prompts([resolve_drafter_dir(drafter_name)]) if drafter_name else set()
     prompts = bench.benchmark_prompts(target, args.benchmark, args.limit, exclude=seen)
     if seen:

@@ -175,6 +175,9 @@ class BenchReport:
             *([f"Engine: {s['engine']}. Vanilla: {s['vanilla_ms_per_token']} ms per token (wall, prefill included) "
                f"against a weight-read floor of {s['weight_read_ms']} ms ({s['weight_mb']} MB at {s['read_gb_per_s']} "
                f"GB/s, measured in this run): {s['vanilla_vs_floor']}x the floor.", ""] if "engine" in s else []),
+            *([f"Compiled steps: {s['compiled_graphs']} graphs compiled in {s['compile_s']} s (at first use, during "
+               f"the cost model's measurement or the warm-up; outside every timed run).", ""]
+              if "compile_s" in s else []),
             *([f"Cost model (spec-cost): {s['cost_model']}.", ""] if "cost_model" in s else []),
             "| method | tokens | tok/s | speedup | tok/CPU-s | CPU speedup | tau | tau (per question) "
             "| step CPU ms | match vanilla | note |",
@@ -370,6 +373,9 @@ def _bench_info(target: TargetModel, tree: TreeConfig, prompts: int, max_new_tok
     info.update(cost_model=cost.describe(), engine=engine_label(target.engine) if target.engine is not None else "hf", weight_mb=floor["weight_mb"],
                 weight_read_ms=floor["read_ms"], read_gb_per_s=floor["gb_per_s"], vanilla_ms_per_token=round(plain_ms, 2),
                 vanilla_vs_floor=round(plain_ms / floor["read_ms"], 2))
+    compiled = getattr(target.engine, "compiled", None)
+    if compiled is not None:
+        info.update(compiled_graphs=compiled.compiles, compile_s=round(compiled.compile_s, 1))
     return info
 
 

@@ -208,7 +208,7 @@ def write_exactness(out: Path, plan: EvalPlan, target_factory: Callable[[], Targ
     target = target_factory() if target_factory else TargetModel.load(TargetConfig(**plan.target))
     reference = None
     if not target.exact_reference:
-        reference = TargetModel.load(TargetConfig(**{**plan.target, "dtype": "float32", "weights": "dense"}))
+        reference = TargetModel.load(TargetConfig(**{**plan.target, "dtype": "float32", "weights": "dense", "compile": False}))
     report = account_records(target, reference, records)
     write_json(out / EXACTNESS_FILE, report.to_dict())
     same = sum(report.identical.values())

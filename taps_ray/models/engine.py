@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from taps_ray.models.compiled import CompiledSteps, compile_support
 from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.quant import (
     HalfLinear,
@@ -187,10 +188,12 @@ class StaticEngine:
     ``int4_codes`` by HF parameter name where given, such as a GGUF's own Q4_1 blocks, else round-to-nearest
     from the dense weight; given codes that do not match the dense weights within its dtype's rounding are
     a ValueError).
+    ``compile``: run one request's narrow int4 steps on CPU as one inductor-compiled forward
+    (:class:`~taps_ray.models.compiled.CompiledSteps`; a ValueError where :func:`compile_support` refuses).
     """
 
     def __init__(self, model, windows: list[int | None], weights: str = "dense",
-                 int4_codes: dict[str, Int4Weight] | None = None, graphs: bool = False):
+                 int4_codes: dict[str, Int4Weight] | None = None, graphs: bool = False, compile: bool = False):
         reason = static_support(model)
         if reason is not None:
             raise ValueError(f"the static engine cannot run this target: {reason}")
@@ -223,6 +226,12 @@ class StaticEngine:
                 raise ValueError(f"CUDA graphs need a CUDA target without sliding-window layers (device "
                                  f"{self.device}, windows {sorted({w for w in windows if w is not None})})")
             self.graphs = StepGraphs(self)
+        self.compiled: CompiledSteps | None = None
+        if compile:
+            reason = compile_support(self)
+            if reason is not None:
+                raise ValueError(f"compiled steps cannot run on this target: {reason}")
+            self.compiled = CompiledSteps(self)
 
     def _layer(self, layer, window: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -323,6 +332,8 @@ class StaticEngine:
         [T, len(layers) * H] (None when ``layers`` is empty)."""
         if self.graphs is not None and self.graphs.applies(segments):
             return self.graphs.run(tokens, positions, segments[0], layers)
+        if self.compiled is not None and self.compiled.applies(segments):
+            return self.compiled.run(tokens, positions, segments[0], layers)
         for seg in segments:
             seg.cache.reserve(seg.n)
         x, cos, sin = self.embed(tokens, positions)
@@ -357,22 +368,24 @@ class StaticEngine:
         return x[0], cos[0, :, None], _signed_sin(sin[0, :, None])
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, total: int, attend,
-               layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+               layers: tuple[int, ...], product=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers over ``x`` [R, H] (R >= ``total`` rows, the first ``total`` real): per layer the
         q/k/v product and rotary embedding, ``attend(index, layer, q [total, h, d], k, v [total, g, d])`` ->
-        [R, h * d], the output product and the MLP; :meth:`forward_layers`' result."""
+        [R, h * d], the output product and the MLP; :meth:`forward_layers`' result. ``product(linear, x)``
+        runs each layer product (None: ``linear(x)``)."""
         taps: dict[int, torch.Tensor] = {0: x[:total]} if 0 in layers else {}
         h, g, d = self.heads, self.kv_heads, self.head_dim
+        run = product or _call
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(layer.norm_in(x))
+            qkv = run(layer.qkv, layer.norm_in(x))
             qk, v = qkv[:total].split(((h + g) * d, g * d), dim=-1)
             qk, v = qk.view(-1, h + g, d), v.view(-1, g, d)
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :h]), layer.k_norm(qk[:, h:])], dim=1)
             qk = _rope(qk, cos, sin)  # q and k heads in one pass
-            x = x + layer.o_proj(attend(index, layer, qk[:, :h], qk[:, h:], v))
-            gate, up = layer.gate_up(layer.norm_post(x)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + run(layer.o_proj, attend(index, layer, qk[:, :h], qk[:, h:], v))
+            gate, up = run(layer.gate_up, layer.norm_post(x)).chunk(2, dim=-1)
+            x = x + run(layer.down, F.silu(gate) * up)
             if index + 1 in layers:
                 taps[index + 1] = x[:total]
         final = self._final_norm(x[:total])
@@ -420,6 +433,10 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     attention is 4-5.5x slower in bf16 than in float32 at one query and slower at every size measured; the cached bf16 keys and values are exact in
     float32, so the cache only doubles in bytes), else the target's own dtype."""
     return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+
+
+def _call(linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
 
 
 def _starts(segments: list[Segment]) -> list[int]:

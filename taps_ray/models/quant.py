@@ -252,10 +252,14 @@ class Int4Linear:
         self.source, self._key = source, tensor_identity(source)
         self.wide, self.max_rows = wide, max_rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def check(self) -> None:
+        """RuntimeError if the dense parameter changed after its codes were packed."""
         if tensor_identity(self.source) != self._key:
             raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
                                "(or use target.weights=dense)")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.check()
         if self.wide is not None and x.shape[0] > self.max_rows:
             return self.wide(x)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)

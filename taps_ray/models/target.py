@@ -162,10 +162,11 @@ class TargetModel:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, name: str, engine: str = "auto", weights: str = "dense",
-                 gguf: Path | None = None, weights_required: bool = False, graphs: str = "off"):
+                 gguf: Path | None = None, weights_required: bool = False, graphs: str = "off",
+                 compile: bool = False):
         model.eval().requires_grad_(False)
         self.windows = attention_windows(model, name)
-        self.engine = _engine(model, self.windows, name, engine, weights, gguf, weights_required, graphs)
+        self.engine = _engine(model, self.windows, name, engine, weights, gguf, weights_required, graphs, compile)
         self.weights = self.engine.weights if self.engine is not None else "dense"
         text = model.config.get_text_config(decoder=True)
         self.final_softcap: float | None = getattr(text, "final_logit_softcapping", None)
@@ -215,7 +216,7 @@ class TargetModel:
         model.to(device)
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
-                     weights_required=cfg.weights != "auto", graphs=cfg.graphs)
+                     weights_required=cfg.weights != "auto", graphs=cfg.graphs, compile=cfg.compile)
         if cfg.int4_max_rows is not None:
             if target.engine is not None and target.engine.int4_max_rows is not None:
                 target.engine.set_int4_max_rows(cfg.int4_max_rows)
@@ -457,13 +458,15 @@ class TargetModel:
 
 
 def _engine(model: PreTrainedModel, windows: list[int | None], name: str, requested: str, weights: str = "dense",
-            gguf: Path | None = None, weights_required: bool = False, graphs: str = "off") -> StaticEngine | None:
+            gguf: Path | None = None, weights_required: bool = False, graphs: str = "off",
+            compile: bool = False) -> StaticEngine | None:
     """The static engine for ``model`` when ``requested`` allows it (auto: where the family supports it;
     static: required, TargetLoadError otherwise; hf: never), its layers in ``weights`` (int4: the codes of
     ``gguf``'s Q4_1 tensors where it has them). int4 or fp16 without the static engine is a TargetLoadError when
     ``weights_required`` (set explicitly), else the forward stays dense. ``graphs`` (target.graphs): on
     requires CUDA graphs of the static engine's steps (TargetLoadError where they cannot run), auto takes
-    them where they can."""
+    them where they can. ``compile`` (target.compile): compiled narrow int4 steps on CPU (TargetLoadError where
+    they cannot run)."""
     if requested not in ("auto", "static", "hf"):
         raise TargetLoadError(f"target.engine must be auto, static or hf, got {requested!r}")
     if graphs not in ("auto", "on", "off"):
@@ -479,9 +482,12 @@ def _engine(model: PreTrainedModel, windows: list[int | None], name: str, reques
         if weights == "int4" and gguf is not None:
             codes = read_gguf_q4_1(gguf, model.config.get_text_config(decoder=True))
         try:
-            return StaticEngine(model, windows, weights, codes, graphs=graphable and graphs != "off")
+            return StaticEngine(model, windows, weights, codes, graphs=graphable and graphs != "off", compile=compile)
         except ValueError as err:
             raise TargetLoadError(f"target {name!r}: {err}") from err
+    if compile:
+        raise TargetLoadError(f"target {name!r}: target.compile=true needs the static engine ({reason}); use "
+                              f"target.compile=false")
     if weights != "dense" and weights_required:
         raise TargetLoadError(f"target {name!r}: {weights} weights run on the static engine, which this target does not "
                               f"({reason}); use target.weights=dense")

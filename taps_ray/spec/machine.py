@@ -41,18 +41,20 @@ def engine_revision() -> str:
     """A hash of the source of the modules that run a verification forward (the static engine, its products,
     the transformers attention hook): a change to the engine's code measures the cost model again. Read once per
 process."""
-    from taps_ray.models import attention, engine, graphs, quant
+    from taps_ray.models import attention, compiled, engine, graphs, quant
 
     digest = hashlib.sha256()
-    for module in (engine, quant, attention, graphs):
+    for module in (engine, quant, attention, graphs, compiled):
         digest.update(Path(str(module.__file__)).read_bytes())
     return digest.hexdigest()[:12]
 
 
 def engine_label(engine) -> str:
     """``static``, ``static-packed`` (oneDNN-prepacked dense products), ``static-int4`` (4-bit layer weights) or
-    ``static-fp16`` (half-precision weights through fbgemm); ``-graphs`` appended where steps run as CUDA graphs."""
+    ``static-fp16`` (half-precision weights through fbgemm); ``-graphs`` appended where steps run as CUDA graphs,
+    ``-compiled`` where they run compiled on CPU."""
     graphs = "-graphs" if getattr(engine, "graphs", None) is not None else ""
+    graphs += "-compiled" if getattr(engine, "compiled", None) is not None else ""
     if engine.weights in ("int4", "fp16"):
         return f"static-{engine.weights}{graphs}"
     return f"static{'-packed' if engine.packed else ''}{graphs}"
