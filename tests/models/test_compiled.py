@@ -52,6 +52,7 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.03, atol=0.03 * float(theirs.abs().max()))
 
 
+@pytest.mark.slow  # compiles two graphs: 15-30 s in a process whose inductor cache is cold
 @needs_int4
 def test_compiled_steps_follow_the_eager_steps_and_write_the_same_cache_entries():
     eager, compiled = _engines()
@@ -84,6 +85,7 @@ def _compare(eager: StaticEngine, compiled: StaticEngine) -> None:
     assert steps.compiles == 2, "a packed batch of requests runs eagerly"
 
 
+@pytest.mark.slow
 @needs_int4
 def test_a_weight_changed_after_packing_is_an_error_on_the_compiled_path_too():
     _, compiled = _engines()
