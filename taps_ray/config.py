@@ -59,8 +59,8 @@ class TargetConfig(Strict):
         "none); on: required (an error where they cannot run)"))
     compile: bool = Field(default=False, description=(
         "run one request's narrow int4 steps on CPU as one inductor-compiled forward (models/compiled.py): "
-        "plain steps 1.1-1.2x faster on the AVX-512 bf16 kind, but 5-70 s of compile per step shape in a "
-        "process whose inductor disk cache is cold (docs/BENCHMARKS.md); an error where it cannot run (not "
+        "plain steps 1.15-1.2x faster on the AVX-512 bf16 kind, but 70-80 s of compile per graph (two or three) in "
+        "a process whose inductor disk cache is cold, 4-11 s warm (docs/BENCHMARKS.md); an error where it cannot run (not "
         "int4 on CPU, sliding windows, q/k norms)"))
 
     @field_validator("device")
