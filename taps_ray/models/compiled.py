@@ -80,6 +80,8 @@ class Engine(Protocol):
     scale: float
     int4_max_rows: int | None
 
+    def products(self) -> list: ...
+
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, total: int, attend, layers: tuple[int, ...],
@@ -100,8 +102,8 @@ def compile_support(engine) -> str | None:
             return "q/k norms"
         if not (layer.norm_in.fused and layer.norm_post.fused):
             return f"a norm that is not a Llama-style RMSNorm ({type(layer.norm_in.module).__name__})"
-        if not all(isinstance(p, Int4Linear) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
-            return "a layer product without int4 codes"
+    if not all(isinstance(product, Int4Linear) for product in engine.products()):
+        return "a layer product without int4 codes"
     return None
 
 
@@ -119,7 +121,7 @@ class CompiledSteps:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._products = [p for layer in engine.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        self._products = engine.products()
         self._step = torch.compile(self._decode, fullgraph=True,
                                    options={"cpp_wrapper": True, "guard_filter_fn": _inputs_only})
         self._seen: set[tuple] = set()

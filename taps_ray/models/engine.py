@@ -263,9 +263,12 @@ class StaticEngine:
                              f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
         return Int4Linear(codes, bias, self.dtype, weight, Linear(weight, bias, True) if self.packed else None)
 
+    def products(self) -> list[Linear | Int4Linear | HalfLinear]:
+        """Every layer product, layer by layer: q/k/v, output, gate/up, down."""
+        return [product for layer in self.layers for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
     def _wide_int4(self) -> list[Int4Linear]:
-        return [product for layer in self.layers for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-                if isinstance(product, Int4Linear) and product.wide is not None]
+        return [product for product in self.products() if isinstance(product, Int4Linear) and product.wide is not None]
 
     @property
     def int4_max_rows(self) -> int | None:
