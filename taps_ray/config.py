@@ -58,10 +58,9 @@ class TargetConfig(Strict):
         "for a CUDA target on the static engine without sliding-window layers, off elsewhere (CPU and MPS have "
         "none); on: required (an error where they cannot run)"))
     compile: bool = Field(default=False, description=(
-        "run one request's narrow int4 steps on CPU as one inductor-compiled forward (models/compiled.py): "
-        "plain steps 1.15-1.2x faster on the AVX-512 bf16 kind, but 70-80 s of compile per graph (two or three) in "
-        "a process whose inductor disk cache is cold, 4-11 s warm (docs/BENCHMARKS.md); an error where it cannot run (not "
-        "int4 on CPU, sliding windows, q/k norms)"))
+        "run one request's narrow int4 steps on CPU as one inductor-compiled forward (models/compiled.py): faster "
+        "steps for a compile of each graph at start-up (docs/BENCHMARKS.md has both); an error where it cannot run "
+        "(not int4 on CPU, sliding windows, q/k norms)"))
 
     @field_validator("device")
     @classmethod
@@ -154,8 +153,7 @@ class FeaturesConfig(Strict):
     layers: Literal["auto", "last", "eagle3"] = Field(default="auto", description=(
         "target hidden states stored per token: last (the last one), eagle3 (EAGLE-3's three layers and the last; "
         "4x the disk), auto (eagle3 for the datasets an eagle3 variant's mixture reads, else last)"))
-    num_actors: int | None = Field(default=None, ge=1, description=(
-        "Ray Data target actors (None: one per GPU, or one on CPU)"))
+    num_actors: int | None = Field(default=None, ge=1, description="Ray Data target actors (None: one per GPU, or one on CPU)")
     regeneration: RegenerationConfig = Field(default_factory=RegenerationConfig, description=(
         "how the target answers prompt-only sources"))
 
@@ -197,9 +195,8 @@ class MixtureConfig(Strict):
 class TreeConfig(Strict):
     """EAGLE-2 dynamic draft tree plus a prompt-lookup chain (:mod:`taps_ray.spec.lookup`).
 
-    Defaults are the CPU setting picked by the bf16 tree sweep with ``release:math`` in
-    docs/BENCHMARKS.md (depth 2, 16 nodes, lookup 8: the fastest of depth 1-3 x 8-16 nodes x lookup
-    0/8); the paper's GPU setting is depth 5, top_k 10, total_tokens 60 (configs/paper-llama3-8b.yaml)."""
+    Defaults: the CPU setting picked by the tree sweep in docs/BENCHMARKS.md; the paper's GPU setting is
+    depth 5, top_k 10, total_tokens 60 (configs/paper-llama3-8b.yaml)."""
 
     depth: int = Field(default=2, ge=0, description="expansions after the first level of the draft tree")
     top_k: int = Field(default=3, ge=1, description="branching: children drafted per expanded node")

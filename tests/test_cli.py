@@ -172,3 +172,33 @@ def test_every_command_has_its_help_line_arguments_and_run():
         help_text, add_arguments, run = command(name)
         assert len(help_text) > 20 and "\n" not in help_text, name
         assert callable(add_arguments) and callable(run), name
+
+
+def test_bench_refuses_bad_flags_before_loading_a_model(capsys, monkeypatch):
+    from taps_ray.cli import main
+
+    monkeypatch.setattr("taps_ray.models.target.TargetModel.load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["bench", DEMO, "--limit", "0"]) == 2
+    assert "--limit and --max-new-tokens must be >= 1, got 0 and 64" in capsys.readouterr().err
+    assert main(["bench", DEMO, "--sweep", "--sweep-total", "1"]) == 2
+    assert "invalid sweep values" in capsys.readouterr().err
+    assert main(["bench", DEMO, "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_times_vanilla_and_speculation_and_writes_its_report(tmp_path, capsys):
+    import json
+
+    from taps_ray.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", DEMO, "target.dtype=float32", "--drafter", "random:0", "--limit", "1",
+                 "--max-new-tokens", "4", "--no-hf", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "taps bench: target dtype float32" in printed.err and "weights dense" in printed.err
+    report = json.loads((out / "bench.json").read_text())
+    assert [row["method"] for row in report["methods"]] == ["vanilla", "spec", "spec-cost"]
+    assert all(row["tokens"] > 0 and row["match"] == 1.0 for row in report["methods"])
+    assert report["settings"]["dtype"] == "float32" and "drafter: random:0" in (out / "bench.md").read_text()
+    assert "| spec-cost |" in printed.out

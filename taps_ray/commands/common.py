@@ -25,11 +25,11 @@ def load_experiment(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def load_drafters(target, dirs: list[str], seed: int) -> list:
-    """The drafters of ``dirs`` for ``target`` (none given: the shipped math drafter, else a fresh one of
+    """The drafters of the sources ``dirs`` (folders, ``release:NAME``, ``random:SEED``) for ``target`` (none given: the shipped math drafter, else a fresh one of
     ``seed``); a drafter that cannot be loaded is a :class:`UserError`."""
     from taps_ray.drafter_sources import default_release_drafter
     from taps_ray.models.drafter import DrafterLoadError
-    from taps_ray.spec.decoder import load_drafter
+    from taps_ray.spec.decoder import load_drafter, load_drafter_source
 
     if not dirs:
         shipped = default_release_drafter("math")
@@ -39,9 +39,11 @@ def load_drafters(target, dirs: list[str], seed: int) -> list:
         print(f"taps: no --drafter given: using {shipped}", file=sys.stderr)
         dirs = [shipped]
     try:
-        return [load_drafter(target, d) for d in dirs]
+        return [load_drafter_source(target, d, d) for d in dirs]
     except DrafterLoadError as err:
         raise UserError(str(err)) from err
+    except ValueError as err:
+        raise UserError(f"a drafter is a folder, release:NAME or random:SEED (SEED an integer): {err}") from None
 
 
 def int_list(text: str, flag: str) -> list[int]:

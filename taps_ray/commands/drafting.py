@@ -106,8 +106,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def add_bench(parser: argparse.ArgumentParser) -> None:
     config_args(parser)
     parser.add_argument("--drafter", default=None, metavar="DIR",
-                        help="drafter checkpoint folder or release:NAME (default: release:math when shipped, "
-                             "else untrained)")
+                        help="drafter checkpoint folder, release:NAME or random:SEED (untrained) (default: release:math when "
+                             "shipped, else untrained)")
     parser.add_argument("--benchmark", default="gsm8k", help="mt_bench, gsm8k, math_500 or svamp")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -127,9 +127,41 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-lookup", default=None, help="lookup_tokens values of the sweep (default: the config's)")
 
 
+def _sweep_grid(args: argparse.Namespace, tree) -> tuple[list[int] | None, list[int] | None, list[int] | None]:
+    """``taps bench --sweep``'s tree totals, depths and lookup lengths (None without --sweep), each
+    combination checked as a TreeConfig over ``tree``."""
+    from taps_ray.config import TreeConfig
+
+    if not args.sweep:
+        return None, None, None
+    totals = int_list(args.sweep_total, "--sweep-total")
+    depths = int_list(args.sweep_depth, "--sweep-depth")
+    lookups = int_list(args.sweep_lookup, "--sweep-lookup") if args.sweep_lookup else None
+    try:
+        [TreeConfig(**{**tree.model_dump(), "depth": d, "total_tokens": n, "lookup_tokens": m})
+         for d in depths for n in totals for m in (lookups or [tree.lookup_tokens])]
+    except ValueError as err:
+        raise UserError(f"invalid sweep values: {err}") from None
+    return totals, depths, lookups
+
+
+def _check_peer(target) -> None:
+    """UserError unless llama-cpp-python is installed and ``target`` has a GGUF file for it."""
+    from taps_ray.eval.peers import PeerError, gguf_file
+
+    try:
+        import llama_cpp  # noqa: F401
+
+        gguf_file(target)
+    except ImportError:
+        raise UserError("--peer llamacpp needs llama-cpp-python: pip install -e '.[bench]' (it builds "
+                        "llama.cpp with this machine's compiler)") from None
+    except PeerError as err:
+        raise UserError(str(err)) from None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Decode speed: vanilla vs HF generate vs prompt lookup vs speculative (and llama.cpp with --peer)."""
-    from taps_ray.config import TreeConfig
     from taps_ray.data.contamination import union_trained_prompts
     from taps_ray.drafter_sources import default_release_drafter, resolve_drafter_dir
     from taps_ray.eval import bench
@@ -139,15 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = load_experiment(args)
     if args.limit < 1 or args.max_new_tokens < 1:
         raise UserError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
-    totals = int_list(args.sweep_total, "--sweep-total") if args.sweep else None
-    depths = int_list(args.sweep_depth, "--sweep-depth") if args.sweep else None
-    lookups = int_list(args.sweep_lookup, "--sweep-lookup") if args.sweep and args.sweep_lookup else None
-    if totals:
-        try:
-            [TreeConfig(**{**cfg.tree.model_dump(), "depth": d, "total_tokens": n, "lookup_tokens": m})
-             for d in depths for n in totals for m in (lookups or [cfg.tree.lookup_tokens])]
-        except ValueError as err:
-            raise UserError(f"invalid sweep values: {err}") from None
+    totals, depths, lookups = _sweep_grid(args, cfg.tree)
     try:
         sampling = check_sampling({"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
     except ValueError as err:
@@ -155,17 +179,7 @@ def run_bench(args: argparse.Namespace) -> int:
     target = TargetModel.load(cfg.target)
     print(f"taps bench: target dtype {target.dtype_note}, weights {target.weights}", file=sys.stderr)
     if args.peer:
-        from taps_ray.eval.peers import PeerError, gguf_file
-
-        try:
-            import llama_cpp  # noqa: F401
-
-            gguf_file(target)
-        except ImportError:
-            raise UserError("--peer llamacpp needs llama-cpp-python: pip install -e '.[bench]' (it builds "
-                            "llama.cpp with this machine's compiler)") from None
-        except PeerError as err:
-            raise UserError(str(err)) from None
+        _check_peer(target)
     drafter_name = args.drafter or default_release_drafter("math")
     drafter = load_drafters(target, [drafter_name] if drafter_name else [], cfg.drafter.seed)[0]
     reference = None

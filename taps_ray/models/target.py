@@ -7,7 +7,6 @@ Shapes: ``B`` batch, ``T``/``n`` query length, ``P`` cached prefix length, ``H``
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import time
@@ -17,7 +16,6 @@ from typing import overload
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from taps_ray import artifacts
 from taps_ray.config import TargetConfig
@@ -28,6 +26,7 @@ from taps_ray.models.target_cache import TargetCache
 from taps_ray.models.target_loading import (
     EMBEDDED_PREFIX,
     TargetLoadError,
+    attention_windows,
     dtype_reason,
     embedded_hf_folder,
     embedded_name,
@@ -108,44 +107,6 @@ def embed_hash(weight: torch.Tensor) -> str:
     rows = torch.linspace(0, weight.shape[0] - 1, steps=min(64, weight.shape[0])).long().to(weight.device)
     sample = weight[rows].to(torch.bfloat16).view(torch.int16).cpu().contiguous()
     return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
-
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def attention_windows(model: PreTrainedModel, name: str) -> list[int | None]:
-    """Per decoder layer, the sliding window of its attention (None: full attention).
-
-    TargetLoadError naming the family and the reason when tree verification cannot be exact on
-    ``model``: a layer type other than :data:`ATTENTION_LAYER_TYPES` (chunked, linear, KV-sharing,
-    ...), bidirectional attention, or sliding and full layers in a model whose forward does not
-    take one mask per layer type.
-    """
-    config = model.config.get_text_config(decoder=True)
-    family = getattr(config, "model_type", type(model).__name__)
-    if getattr(config, "use_bidirectional_attention", False):
-        raise TargetLoadError(f"target {name!r} ({family}) uses bidirectional attention; only causal LMs are "
-                              f"supported")
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    for i, kind in enumerate(layer_types):
-        if kind not in ATTENTION_LAYER_TYPES:
-            raise TargetLoadError(f"target {name!r} ({family}) has {kind!r} layers (layer {i}); tree verification "
-                                  f"supports {' and '.join(ATTENTION_LAYER_TYPES)} layers only")
-    windows = [kw.get("sliding_window") if kind == "sliding_attention" else None
-               for kind, kw in zip(layer_types, layer_kwargs)]
-    sizes = sorted({w for w in windows if w is not None})
-    if len(sizes) > 1:
-        raise TargetLoadError(f"target {name!r} ({family}) has sliding windows of sizes {sizes}; tree verification "
-                              f"supports one window size")
-    if sizes and None in windows:
-        try:
-            per_type = "causal_mask_mapping" in inspect.getsource(type(model.base_model).forward)
-        except (OSError, TypeError):
-            per_type = False
-        if not per_type:
-            raise TargetLoadError(f"target {name!r} ({family}) mixes sliding and full attention layers but its "
-                                  f"forward takes no per-layer-type mask; a tree mask cannot respect both")
-    return windows
 
 
 class TargetModel:
