@@ -57,4 +57,7 @@ def random_drafter_seed(source: str) -> int | None:
     source (a checkpoint folder); ValueError when SEED is not an integer."""
     if not source.startswith(RANDOM_DRAFTER):
         return None
-    return int(source[len(RANDOM_DRAFTER):])
+    try:
+        return int(source[len(RANDOM_DRAFTER):])
+    except ValueError:
+        raise ValueError(f"drafter {source!r}: random:SEED needs an integer SEED") from None

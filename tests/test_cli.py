@@ -184,6 +184,8 @@ def test_bench_refuses_bad_flags_before_loading_a_model(capsys, monkeypatch):
     assert "invalid sweep values" in capsys.readouterr().err
     assert main(["bench", DEMO, "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["bench", DEMO, "--benchmark", "nope"]) == 2
+    assert "unknown benchmark 'nope'; valid names: mt_bench, gsm8k" in capsys.readouterr().err
 
 
 @pytest.mark.slow

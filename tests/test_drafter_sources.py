@@ -43,3 +43,10 @@ def test_shipped_release_drafters_name_no_local_path_and_load_on_the_embedded_ta
                 assert not local.search(path.read_text()), f"{path} names a path of the machine that made it"
         head = DraftHead.load(f"release:{name}", embedded_target.config, embedded_target.fingerprint)
         assert head.draft_to_target is not None and (release.RELEASE_DIR / name / "trained_prompts.json").is_file()
+
+
+def test_random_sources_name_their_seed_and_a_bad_seed_is_a_clear_error():
+    assert release.random_drafter_seed("random:7") == 7
+    assert release.random_drafter_seed("runs/x") is None
+    with pytest.raises(ValueError, match=r"drafter 'random:x': random:SEED needs an integer SEED"):
+        release.random_drafter_seed("random:x")

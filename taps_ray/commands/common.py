@@ -43,7 +43,7 @@ def load_drafters(target, dirs: list[str], seed: int) -> list:
     except DrafterLoadError as err:
         raise UserError(str(err)) from err
     except ValueError as err:
-        raise UserError(f"a drafter is a folder, release:NAME or random:SEED (SEED an integer): {err}") from None
+        raise UserError(str(err)) from None
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -162,6 +162,7 @@ def _check_peer(target) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Decode speed: vanilla vs HF generate vs prompt lookup vs speculative (and llama.cpp with --peer)."""
+    from taps_ray.data.benchmarks import BENCHMARKS
     from taps_ray.data.contamination import union_trained_prompts
     from taps_ray.drafter_sources import default_release_drafter, resolve_drafter_dir
     from taps_ray.eval import bench
@@ -171,6 +172,8 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = load_experiment(args)
     if args.limit < 1 or args.max_new_tokens < 1:
         raise UserError(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
+    if args.benchmark not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {args.benchmark!r}; valid names: {', '.join(BENCHMARKS)}")
     totals, depths, lookups = _sweep_grid(args, cfg.tree)
     try:
         sampling = check_sampling({"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed})
