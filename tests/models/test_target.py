@@ -39,6 +39,21 @@ def test_fingerprint_does_not_depend_on_dtype(embedded_target):
     assert bf16.fingerprint.embed_hash == embedded_target.fingerprint.embed_hash
 
 
+@pytest.mark.integration
+def test_the_compile_switch_reaches_the_engine_of_the_embedded_target():
+    """target.compile=true: the int4 engine holds the compiled steps (compiled at their first call, not at
+    load) and says so in its label; a dense float32 target refuses the switch by name."""
+    from taps_ray.models.quant import int4_unsupported
+    from taps_ray.spec.machine import engine_label
+
+    if int4_unsupported(torch.device("cpu"), torch.bfloat16) is None:
+        target = TargetModel.load(TargetConfig(dtype="bfloat16", weights="int4", compile=True))
+        assert target.engine.compiled is not None and target.engine.compiled.compiles == 0
+        assert engine_label(target.engine) == "static-int4-compiled"
+    with pytest.raises(TargetLoadError, match=r"compiled steps need int4 weights on a CPU target .*weights dense"):
+        TargetModel.load(TargetConfig(dtype="float32", compile=True))
+
+
 def test_auto_dtype_follows_native_bf16(monkeypatch):
     from taps_ray.models import target_loading as target_module
 
