@@ -1,7 +1,8 @@
 """What loading a target resolves before its model is built: the source (``embedded:NAME``, the pinned GGUF
 dequantised once into a cached HF folder; an HF id or folder; a ``.gguf`` file), the device and dtype
-(``auto``: cuda when visible, bfloat16 where matmuls are native), the weight format, and
-:class:`TargetLoadError`, the one error a target that cannot be loaded raises, naming the source.
+(``auto``: cuda when visible, bfloat16 where matmuls are native), the weight format, each layer's attention
+window (:func:`attention_windows`: the layer types a tree mask can serve), and :class:`TargetLoadError`, the
+one error a target that cannot be loaded raises, naming the source.
 """
 
 from __future__ import annotations
