@@ -76,3 +76,16 @@ def test_a_warm_up_run_is_forgotten_by_the_cost_model_budget():
     prompts = [torch.arange(2, 30), torch.arange(3, 20)]
     run_methods(prompts, {"spec-cost": method})
     assert calls == [("run", 8), ("reset", 0), ("run", 28), ("run", 17)]
+
+
+def test_the_report_states_the_compile_seconds_apart_from_the_timed_runs():
+    from types import SimpleNamespace
+
+    target = peaky_tiny_target(0)
+    target.engine.compiled = SimpleNamespace(compiles=2, compile_s=12.34, applies=lambda segments: False)
+    report = run_bench(target, [random_prompt(target, 12, 0)], DraftHead(target.config, seed=1),
+                       TreeConfig(depth=1, top_k=2, total_tokens=4), max_new_tokens=4, hf=False,
+                       settings={"benchmark": "random", "drafter": "fresh"})
+    assert report.settings["compiled_graphs"] == 2 and report.settings["compile_s"] == 12.3
+    assert report.settings["engine"].endswith("-compiled")
+    assert "Compiled steps: 2 graphs compiled in 12.3 s (at first use" in report.to_markdown()
