@@ -75,11 +75,14 @@ def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regener
     """Content key of a feature set: target identity, source spec, max_len, regeneration settings, and the
     stored hidden states when not the last one alone (:func:`feature_kind`; sets of the last one keep their key).
 
-    ``regeneration.batch_size`` only sets throughput, so it is keyed as its default value: changing
-    it reuses the feature set (and keys of sets prepared before this rule stay the same). ``$TAPS_DATA_DIR``
+    ``regeneration.batch_size`` and ``regeneration.drafter`` only set throughput (the answers are the target's
+    whichever drafter speeds them up), so they are keyed as their default values: changing them reuses the
+    feature set, as it reuses the response store (and keys of sets prepared before this rule stay the same).
+    ``$TAPS_DATA_DIR``
     is keyed only for datasets with an alternative that reads it (:func:`reads_data_dir`): a ShareGPT set
     is the same set whether or not the variable is set."""
-    keyed_regeneration = regeneration.model_copy(update={"batch_size": RegenerationConfig().batch_size})
+    default = RegenerationConfig()
+    keyed_regeneration = regeneration.model_copy(update={"batch_size": default.batch_size, "drafter": default.drafter})
     payload = {
         "format": FORMAT_VERSION,
         "target": {k: fingerprint[k] for k in ("hidden_size", "vocab_size", "embed_hash")},

@@ -151,6 +151,9 @@ def test_feature_key_depends_on_max_len_and_target(tmp_path):
     batch = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
                                "data.features.regeneration.batch_size=64"])
     assert base == feature_set_path(batch, "chat", fp)
+    drafted = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
+                                 "data.features.regeneration.drafter=release:chat"])
+    assert base == feature_set_path(drafted, "chat", fp), "the drafter that speeds regeneration up is not keyed"
     longer = load_config(None, ["data.datasets={chat: {domain: chat, alternatives: [{kind: sharegpt}]}}",
                                 "data.features.regeneration.max_new_tokens=7"])
     assert base != feature_set_path(longer, "chat", fp)

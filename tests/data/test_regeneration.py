@@ -12,6 +12,7 @@ FP = {"name": "t", "hidden_size": 8, "vocab_size": 16, "embed_hash": "abc"}
 def test_store_key_ignores_batch_size_but_not_what_decides_the_response():
     base = store_key(FP, "cpu:bfloat16", RegenerationConfig())
     assert base == store_key(FP, "cpu:bfloat16", RegenerationConfig(batch_size=64))
+    assert base == store_key(FP, "cpu:bfloat16", RegenerationConfig(drafter="release:chat"))
     assert base == store_key({**FP, "name": "renamed"}, "cpu:bfloat16", RegenerationConfig())
     assert base != store_key(FP, "cpu:float32", RegenerationConfig())
     assert base != store_key(FP, "cpu:bfloat16", RegenerationConfig(max_new_tokens=7))
