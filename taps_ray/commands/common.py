@@ -25,8 +25,9 @@ def load_experiment(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def load_drafters(target, dirs: list[str], seed: int) -> list:
-    """The drafters of the sources ``dirs`` (folders, ``release:NAME``, ``random:SEED``) for ``target`` (none given: the shipped math drafter, else a fresh one of
-    ``seed``); a drafter that cannot be loaded is a :class:`UserError`."""
+    """The drafters of the sources ``dirs`` (folders, ``release:NAME``, ``random:SEED``) for ``target`` (none
+    given: the shipped math drafter, else a fresh one of ``seed``); a drafter that cannot be loaded, or a bad
+    source, is a :class:`UserError`."""
     from taps_ray.drafter_sources import default_release_drafter
     from taps_ray.models.drafter import DrafterLoadError
     from taps_ray.spec.decoder import load_drafter, load_drafter_source

@@ -78,9 +78,8 @@ def feature_key(fingerprint: dict, dataset: DatasetConfig, max_len: int, regener
     ``regeneration.batch_size`` and ``regeneration.drafter`` only set throughput (the answers are the target's
     whichever drafter speeds them up), so they are keyed as their default values: changing them reuses the
     feature set, as it reuses the response store (and keys of sets prepared before this rule stay the same).
-    ``$TAPS_DATA_DIR``
-    is keyed only for datasets with an alternative that reads it (:func:`reads_data_dir`): a ShareGPT set
-    is the same set whether or not the variable is set."""
+    ``$TAPS_DATA_DIR`` is keyed only for datasets with an alternative that reads it (:func:`reads_data_dir`): a
+    ShareGPT set is the same set whether or not the variable is set."""
     default = RegenerationConfig()
     keyed_regeneration = regeneration.model_copy(update={"batch_size": default.batch_size, "drafter": default.drafter})
     payload = {
