@@ -13,7 +13,7 @@ def add_generate(parser: argparse.ArgumentParser) -> None:
     config_args(parser)
     parser.add_argument("--prompt", required=True, help="user message (the target's chat template is applied)")
     parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
-                        help="drafter checkpoint directory (repeatable; 'single' uses the first)")
+                        help="drafter checkpoint folder, release:NAME or random:SEED (repeatable; 'single' uses the first)")
     parser.add_argument("--strategy", default="single",
                         help="vanilla, single, averaged[:ALPHA], routed:confidence[:step|:request], "
                              "routed:entropy[:step|:request], merged:union, merged:budget (K >= 2 via --drafter)")
