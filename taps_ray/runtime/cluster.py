@@ -45,6 +45,7 @@ RAY_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
     "RAY_DEDUP_LOGS": "1",
     "RAY_TRAIN_V2_ENABLED": "1",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 RAY_LOGGERS = ("ray", "ray.data", "ray.tune", "ray.train", "ray.serve", "ray.air", "py.warnings")
 """Loggers whose records go to the Ray log file instead of the console (``py.warnings``: Python warnings)."""
@@ -61,7 +62,9 @@ NATIVE_LOG_LINE = re.compile(
 
 
 def set_ray_env() -> None:
-    """Export the Ray environment defaults (values already set by the user win). Ray's auth mode is not one of
+    """Export the Ray environment defaults (values already set by the user win). Serve's HTTP proxy gets 30 s
+    (Ray's default: 5 s) to answer its readiness check: on two busy cores its start takes longer, and three
+    missed checks made Serve replace it and ``serve.start`` fail. Ray's auth mode is not one of
     them: a local cluster keeps Ray's own default (token authentication since Ray 2.59; ``RAY_AUTH_MODE`` set
     by the user wins), so the control plane of a cluster ``taps`` starts is never open by our choice."""
     for key, value in RAY_ENV.items():

@@ -162,7 +162,8 @@ def test_set_ray_env_leaves_the_auth_mode_to_ray(monkeypatch):
 def test_a_local_cluster_taps_starts_keeps_rays_token_authentication(tmp_path):
     """Outside the tests' own clusters nothing turns Ray's auth off: ``init_ray`` in a process without
     RAY_AUTH_MODE starts a cluster whose workers run with token authentication, its token in Ray's default
-    place under the user's home."""
+    place under the user's home. Its workers (Serve's controller among them) see the proxy readiness
+    timeout of :data:`~taps_ray.runtime.cluster.RAY_ENV`."""
     import subprocess
     import sys
 
@@ -170,8 +171,11 @@ def test_a_local_cluster_taps_starts_keeps_rays_token_authentication(tmp_path):
     env["HOME"] = str(tmp_path)
     code = ("import os\nfrom taps_ray.runtime.cluster import init_ray\nray = init_ray(num_cpus=1)\n"
             "print('worker-auth', ray.get(ray.remote(lambda: os.environ.get('RAY_AUTH_MODE')).remote()))\n"
+            "from ray.serve._private import constants\n"
+            "print('proxy-ready', ray.get(ray.remote(lambda: constants.PROXY_READY_CHECK_TIMEOUT_S).remote()))\n"
             "ray.shutdown()\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "worker-auth token" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "proxy-ready 30.0" in done.stdout, done.stdout
     assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
