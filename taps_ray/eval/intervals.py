@@ -9,6 +9,7 @@ measured on the same questions in every resample. Intervals are percentile inter
   :func:`mean_tau_interval`: the mean over benchmarks (the table's average column).
 - :class:`QuestionResampler`: the records of one resample at a time, for statistics computed by the report's
   own table code (the claims' margins, :mod:`taps_ray.eval.claims`).
+- :func:`speedup_interval`: a speed table's speedup (tokens/s against vanilla's on the same questions).
 - :func:`percentile_interval`: the interval of a list of resampled values.
 """
 
@@ -61,6 +62,24 @@ def mean_tau_interval(groups: list[list[dict]], resamples: int = TAU_RESAMPLES,
     if not taus:
         return math.nan, math.nan
     return percentile_interval(np.nanmean(np.stack(taus), axis=0).tolist())
+
+
+def speedup_interval(groups: list[np.ndarray], resamples: int = TAU_RESAMPLES,
+                     seed: int = SEED) -> tuple[float, float]:
+    """The interval of a speedup, (sum tokens / sum seconds) of a strategy over the same of vanilla, with each
+    benchmark's questions drawn with replacement apart. ``groups``: per benchmark, [questions, 4] rows of (the
+    strategy's new tokens, its seconds, vanilla's new tokens, vanilla's seconds) on the same question; empty
+    ones are left out. (nan, nan) without questions."""
+    rng = np.random.default_rng(seed)
+    totals = np.zeros((resamples, 4))
+    for group in groups:
+        if len(group):
+            totals += group[rng.integers(0, len(group), size=(resamples, len(group)))].sum(axis=1)
+    if not totals.any():
+        return math.nan, math.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = (totals[:, 0] / totals[:, 1]) / (totals[:, 2] / totals[:, 3])
+    return percentile_interval(ratios.tolist())
 
 
 class QuestionResampler:

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from taps_ray.eval.claims import claim_line, evaluate_claims
+from taps_ray.eval.intervals import LEVEL
 from taps_ray.eval.plots import draw_plots
 from taps_ray.eval.records import RECORDS, RUN_FILE, read_records
 from taps_ray.eval.tables import INTERVAL_NOTE, Records, compute_tables, rows_at, with_interval
@@ -124,10 +125,11 @@ SPEED_COLUMNS = ["strategy", "questions", "tau", "tokens_per_s", "speedup", "tre
 
 
 def speed_section(tables: dict, data: Records, t: float) -> list[str]:
-    rows = rows_at(tables, "speed", t)
+    rows = [{**r, "speedup": with_interval(r, "speedup")} for r in rows_at(tables, "speed", t)]
     production = [r for r in rows if r["method"] == "production"]
     paper = [r for r in rows if r["method"] == "paper"]
-    note = "tokens/s over whole generate calls (prefill included) on the questions vanilla also ran, in this run."
+    note = ("tokens/s over whole generate calls (prefill included) on the questions vanilla also ran, in this run; "
+            f"speedup [{LEVEL:.0%} bootstrap interval over those questions, each paired with vanilla's].")
     batched = sorted({r.get("batched", 1) for s in data.strategies for r in data.get(t, s)} - {1})
     untimed = ([f"The paper's fixed trees (every other table) were decoded {', '.join(map(str, batched))} "
                 "strategies at a time in one batched verification (what those tables measure does not depend on "

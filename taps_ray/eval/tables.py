@@ -19,7 +19,9 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from taps_ray.eval.intervals import LEVEL, mean_tau_interval, tau_interval
+import numpy as np
+
+from taps_ray.eval.intervals import LEVEL, mean_tau_interval, speedup_interval, tau_interval
 from taps_ray.eval.records import record_method
 from taps_ray.spec import stats
 
@@ -224,7 +226,8 @@ def primary_method(records: list[dict]) -> str:
 
 
 def speed_table(data: Records) -> list[dict]:
-    """Rows (temperature, strategy): tokens/s against vanilla on the same questions, speedup, tau,
+    """Rows (temperature, strategy): tokens/s against vanilla on the same questions, speedup (with its
+    bootstrap interval over questions, ``speedup_low`` / ``speedup_high``, NaN for vanilla itself), tau,
     verified tree size (and the union before pruning), draft / verify ms per step, share of questions
     whose output equals vanilla's (greedy losslessness, T = 0). Records decoded in a batch (``batched``) have
     no time of their own and no row."""
@@ -243,13 +246,23 @@ def speed_table(data: Records) -> list[dict]:
             sizes = [x for r in group for x in r["tree_size"]]
             unions = [x for r in group for x in r.get("union_size", r["tree_size"])]
             same = sum(r["output_crc"] == v["output_crc"] for r, v in zip(group, base))
+            low, high = (math.nan, math.nan) if s == "vanilla" else _speedup_interval(group, base)
             rows.append({"temperature": t, "strategy": s, "questions": len(group), "tau": _tau(group),
                          "tokens_per_s": tps, "vanilla_tokens_per_s": base_tps, "speedup": tps / base_tps,
+                         "speedup_low": low, "speedup_high": high,
                          "tree_size": _mean(sizes), "union_size": _mean(unions),
                          "draft_ms_per_step": 1e3 * sum(r["draft_s"] for r in group) / steps if steps else math.nan,
                          "verify_ms_per_step": 1e3 * sum(r["verify_s"] for r in group) / steps if steps else math.nan,
                          "same_output_as_vanilla": same / len(group) if t == 0 else math.nan})
     return rows
+
+
+def _speedup_interval(group: list[dict], base: list[dict]) -> tuple[float, float]:
+    """The speedup's interval, ``group``'s records paired with vanilla's ``base`` on the same questions."""
+    pairs: dict[str, list[list[float]]] = defaultdict(list)
+    for r, v in zip(group, base):
+        pairs[r["benchmark"]].append([sum(r["new_tokens"]), r["total_s"], sum(v["new_tokens"]), v["total_s"]])
+    return speedup_interval([np.asarray(rows, dtype=float) for rows in pairs.values()])
 
 
 def rows_at(tables: dict, name: str, t: float, pooled: bool = False) -> list[dict]:

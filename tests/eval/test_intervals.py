@@ -5,9 +5,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from taps_ray.eval.intervals import QuestionResampler, mean_tau_interval, percentile_interval, tau_interval
+from taps_ray.eval.intervals import (
+    QuestionResampler,
+    mean_tau_interval,
+    percentile_interval,
+    speedup_interval,
+    tau_interval,
+)
 
 
 def rec(qid, appended, steps, strategy="single:math", bench="gsm8k"):
@@ -38,6 +45,20 @@ def test_mean_tau_interval_averages_the_benchmarks_present():
     b = [rec(q, 40, 10, bench="mt_bench") for q in range(4)]
     assert mean_tau_interval([a, [], b]) == pytest.approx((3.0, 3.0))
     assert all(math.isnan(v) for v in mean_tau_interval([[], []]))
+
+
+def test_speedup_interval_pairs_each_question_with_vanilla():
+    """A strategy twice as fast on every question has the degenerate interval [2, 2] however long the questions
+    are (pairing); one whose questions vary in speedup gets an interval around its ratio of sums."""
+    lengths = np.array([10.0, 40.0, 25.0, 60.0])
+    steady = np.stack([lengths, lengths / 20, lengths, lengths / 10], axis=1)
+    assert speedup_interval([steady]) == pytest.approx((2.0, 2.0))
+    uneven = np.array([[48, 1.0, 48, 1.2], [48, 1.0, 48, 0.9], [48, 1.0, 48, 1.1], [48, 1.0, 48, 0.95]])
+    low, high = speedup_interval([uneven[:2], np.empty((0, 4)), uneven[2:]])
+    ratio = (uneven[:, 0].sum() / uneven[:, 1].sum()) / (uneven[:, 2].sum() / uneven[:, 3].sum())
+    assert low < ratio < high and low < 1.0 < high, "a 4% average gain within +-20% per question is not shown"
+    assert speedup_interval([uneven[:2], uneven[2:]]) == (low, high), "seeded: the same interval every time"
+    assert all(math.isnan(v) for v in speedup_interval([np.empty((0, 4))]))
 
 
 def test_a_resample_draws_questions_with_all_their_records():

@@ -146,9 +146,24 @@ def test_speed_against_vanilla_on_the_same_questions(tables):
     r = row(tables["speed"], strategy="single:math")
     assert r["speedup"] == pytest.approx(1.5) and r["vanilla_tokens_per_s"] == pytest.approx(10.0)
     assert r["same_output_as_vanilla"] == 1.0 and r["tree_size"] == 8
+    assert (r["speedup_low"], r["speedup_high"]) == pytest.approx((1.5, 1.5)), "1.5x on every question"
     budget = row(tables["speed"], strategy="merged:budget")
     assert budget["same_output_as_vanilla"] == 0.5 and budget["union_size"] == 15 and budget["tree_size"] == 8
     assert row(tables["speed"], strategy="merged:union")["tree_size"] == 15
+
+
+def test_a_speedup_that_varies_by_question_is_printed_with_its_interval():
+    from taps_ray.eval.report import speed_section
+
+    records = [record("vanilla", b, q, [0] * 10) for b in ("gsm8k", "mt_bench") for q in range(3)]
+    records += [record("single:math", b, q, [1] * 10, speedup=s)
+                for b, speeds in (("gsm8k", (0.8, 1.3, 1.0)), ("mt_bench", (1.2, 0.9, 1.1))) for q, s in enumerate(speeds)]
+    tables, data = build_tables(records)
+    r = row(tables["speed"], strategy="single:math")
+    assert r["speedup_low"] < 1.0 < r["speedup_high"] and r["speedup_low"] < r["speedup"] < r["speedup_high"]
+    text = "\n".join(speed_section(tables, data, 0.0))
+    assert f"| {r['speedup']:.2f} [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] |" in text
+    assert "95% bootstrap interval over those questions" in text
 
 
 def test_records_decoded_in_a_batch_have_no_speed_and_the_report_says_why():
