@@ -21,12 +21,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
 from taps_ray.config import SamplingConfig, TreeConfig
 from taps_ray.eval.exactness import ExactnessReport, account
+from taps_ray.eval.intervals import speedup_interval
 from taps_ray.eval.peers import peer_method
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.target import TargetModel
@@ -133,6 +135,8 @@ class MethodRow:
     step_cpu_ms: float
     speedup: float = NAN
     cpu_speedup: float = NAN
+    speedup_low: float = NAN
+    speedup_high: float = NAN
     match: float = NAN
     note: str = ""
 
@@ -179,12 +183,13 @@ class BenchReport:
                f"the cost model's measurement or the warm-up; outside every timed run).", ""]
               if "compile_s" in s else []),
             *([f"Cost model (spec-cost): {s['cost_model']}.", ""] if "cost_model" in s else []),
-            "| method | tokens | tok/s | speedup | tok/CPU-s | CPU speedup | tau | tau (per question) "
+            "| method | tokens | tok/s | speedup [95% CI over prompts, paired] | tok/CPU-s | CPU speedup | tau | tau (per question) "
             "| step CPU ms | match vanilla | note |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for m in self.methods:
-            lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x | "
+            bounds = "" if m.speedup_low != m.speedup_low else f" [{m.speedup_low:.2f}, {m.speedup_high:.2f}]"
+            lines.append(f"| {m.method} | {m.tokens} | {m.tokens_per_s:.2f} | {m.speedup:.2f}x{bounds} | "
                          f"{m.tokens_per_cpu_s:.2f} | {m.cpu_speedup:.2f}x | {_fmt(m.tau)} | "
                          f"{_fmt(m.tau_per_question)} | {_fmt(m.step_cpu_ms, 1)} | {'-' if m.match != m.match else f'{m.match:.0%}'} | {m.note} |")
         if self.exactness is not None:
@@ -337,6 +342,9 @@ def run_bench(
     for row in rows:
         row.speedup = row.tokens_per_s / base.tokens_per_s
         row.cpu_speedup = row.tokens_per_cpu_s / base.tokens_per_cpu_s
+        if row is not base:
+            row.speedup_low, row.speedup_high = speedup_interval([np.array(
+                [[len(a.tokens), a.seconds, len(v.tokens), v.seconds] for a, v in zip(runs[row.method], runs["vanilla"])])])
         if greedy:
             row.match = sum(a.tokens == b.tokens for a, b in zip(runs[row.method], runs["vanilla"])) / len(prompts)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ def test_bench_tiny_target(tmp_path):
     assert "plain step" in report.settings["cost_model"] and "Cost model (spec-cost)" in report.to_markdown()
     for row in rows.values():
         assert row.match == 1.0 and row.prompts == 2 and row.tokens == 20 and row.tokens_per_s > 0
-    assert rows["vanilla"].speedup == rows["vanilla"].cpu_speedup == 1.0
+    assert rows["vanilla"].speedup == rows["vanilla"].cpu_speedup == 1.0 and math.isnan(rows["vanilla"].speedup_low)
+    for row in list(rows.values())[1:]:
+        assert row.speedup_low <= row.speedup <= row.speedup_high, (row.method, row.speedup_low, row.speedup_high)
     assert rows["vanilla"].tau == 1.0 and rows["hf-greedy"].tau == 1.0 and rows["spec"].step_cpu_ms > 0
     # every token but each prompt's first (from the prefill) comes from a step; lookup never needs more
     for method in ("hf-prompt-lookup", "spec"):
@@ -42,6 +45,8 @@ def test_bench_tiny_target(tmp_path):
     assert sorted(p.name for p in json_path.parent.iterdir()) == ["bench.json", "bench.md"]
     markdown = md_path.read_text()
     assert "| hf-prompt-lookup |" in markdown and "break-even tau" in markdown
+    spec = rows["spec"]
+    assert f"| {spec.speedup:.2f}x [{spec.speedup_low:.2f}, {spec.speedup_high:.2f}] |" in markdown
     assert (f"tree.depth={best['depth']} tree.top_k={best['top_k']} tree.total_tokens={best['total_tokens']} "
             f"tree.lookup_tokens={best['lookup_tokens']}") in markdown
     assert written["exactness"]["identical"] == {"hf-greedy": 2, "hf-prompt-lookup": 2, "spec": 2, "spec-cost": 2}
