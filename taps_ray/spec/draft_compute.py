@@ -45,8 +45,9 @@ class DraftHeadProduct:
     drafter's vocabulary, read in the format that is fastest for the few rows drafted at once:
 
     - ``int4``: 4-bit codes of the rows (round to nearest, groups of 32), for a target that reads its layers as
-      int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows, where torch's int4 kernel is 1.8-2.9x the
-      packed bf16 product at 1-3 rows and slower from 8 (docs/BENCHMARKS.md, "Drafting, per call");
+      int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows. Decoding reads the head right after a
+      target step has pushed it out of the CPU's caches; read so, an 8192-row draft vocabulary took 0.34 / 0.48 ms
+      at 1 / 3 rows as int4 codes against 0.86 / 0.79 ms packed (docs/BENCHMARKS.md, "thirty-second session");
     - ``packed``: oneDNN's product on a prepacked copy (:class:`~taps_ray.models.engine.Linear`), where the engine
       packs its own products (CPU float32, or bf16 with native bf16): 1.8-2.4x a bf16 ``mm`` at 1-8 rows;
     - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16``;
@@ -108,25 +109,17 @@ def draft_head_kind(target) -> str:
     return "packed" if engine is not None and engine.packed else "dense"
 
 
-PACKED_HEAD_MAX_ROWS = 8192
-"""Draft vocabularies up to this many rows read an ``int4`` target's head rows packed instead: at 8192 rows the
-packed product took 0.10 / 0.12 / 0.22 ms at 1 / 3 / 8 rows against int4's 0.14 / 0.21 / 0.47; at 16384 the
-two were within 5% at one row (``benchmarks/bench_drafting.py --head-rows``, docs/BENCHMARKS.md)."""
-
-
 def draft_head_rows(drafter: DraftHead, weight: torch.Tensor, kind: str = "dense") -> DraftHeadProduct:
     """The :class:`DraftHeadProduct` of ``drafter``'s draft vocabulary in the target head ``weight`` [V, H] (the
-    whole of ``weight`` for the whole vocabulary), of ``kind`` (:func:`draft_head_kind`; ``int4`` reads a
-    vocabulary of at most :data:`PACKED_HEAD_MAX_ROWS` rows packed where the engine can pack); made once per
-    drafter, head and kind and shared by its sessions."""
+    whole of ``weight`` for the whole vocabulary), of ``kind`` (:func:`draft_head_kind`); made once per drafter,
+    head and kind and shared by its sessions."""
     cached: tuple[torch.Tensor, dict[str, DraftHeadProduct]] | None = drafter.__dict__.get("_head_rows")
     if cached is None or cached[0] is not weight:
         cached = (weight, {})
         drafter.__dict__["_head_rows"] = cached
     if kind not in cached[1]:
         rows = weight if drafter.draft_to_target is None else weight[drafter.draft_to_target]
-        small = kind == "int4" and rows.shape[0] <= PACKED_HEAD_MAX_ROWS and can_pack(rows.device, rows.dtype)
-        cached[1][kind] = DraftHeadProduct(rows.detach(), "packed" if small else kind)
+        cached[1][kind] = DraftHeadProduct(rows.detach(), kind)
     return cached[1][kind]
 
 

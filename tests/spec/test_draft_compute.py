@@ -82,17 +82,16 @@ def test_log_probs_normalise_and_report_entropy():
     assert (entropy > 0).all() and lse.shape == (2,)
 
 
-def test_an_int4_targets_small_draft_vocabulary_reads_its_rows_packed(monkeypatch, tiny_target):
-    """Up to PACKED_HEAD_MAX_ROWS draft ids the packed product is faster than int4 codes; a whole vocabulary
-    beyond it keeps the codes."""
+def test_an_int4_target_reads_its_draft_vocabulary_as_int4_codes_whatever_its_size(tiny_target):
+    """In decoding the head's rows are read after a target step has pushed them out of the caches, where the int4
+    codes are read faster than a packed copy at the rows drafted at once: a small draft vocabulary and a whole one
+    both keep the codes; a dense target keeps the dense rows."""
     from taps_ray.models.drafter import DraftHead
     from taps_ray.spec import draft_compute
 
-    monkeypatch.setattr(draft_compute, "PACKED_HEAD_MAX_ROWS", 100)
     weight = _rows(vocab=tiny_target.vocab_size, hidden=tiny_target.hidden_size)
     small = DraftHead(tiny_target.config, draft_to_target=torch.arange(64))
     whole = DraftHead(tiny_target.config)
-    packs = can_pack(torch.device("cpu"), torch.bfloat16)
-    assert draft_compute.draft_head_rows(small, weight, "int4").kind == ("packed" if packs else "int4")
+    assert draft_compute.draft_head_rows(small, weight, "int4").kind == "int4"
     assert draft_compute.draft_head_rows(whole, weight, "int4").kind == "int4"
     assert draft_compute.draft_head_rows(small, weight, "dense").kind == "dense"
