@@ -6,8 +6,8 @@ drafter had to catch up on (those appended since it last drafted: after a run of
 
 Decodes ``limit`` first turns of ``benchmark`` greedily with the drafter and the production tree budget (one
 budget for all prompts, as a served strategy keeps one), timing each call of the strategy's ``propose`` (drafting
-and prompt lookup, not the budget's choice). A request's first drafted step also runs its prompt through the drafter
-and is counted apart. Prints the median and mean milliseconds per (depth, tokens queued) cell.
+and prompt lookup, not the budget's choice). A request's first drafted step also runs its prompt (and any plain
+steps before it) through the drafter and is counted apart. Prints the median and mean milliseconds per (depth, tokens queued) cell.
 """
 
 from __future__ import annotations
@@ -53,22 +53,22 @@ def main(argv: list[str] | None = None) -> int:
 
         def __init__(self, *a):
             super().__init__(*a)
-            self.queued: int | None = None
+            self.queued, self.drafted = 0, False
             self.calls: list[tuple[int | None, int | None, float]] = []
 
         def start(self, target, tokens, features):
             super().start(target, tokens, features)
-            self.queued = None
+            self.queued, self.drafted = 0, False
 
         def advance(self, tokens, features):
             super().advance(tokens, features)
-            self.queued = (self.queued or 0) + int(tokens.numel())
+            self.queued += int(tokens.numel())
 
         def propose(self, state):
             start = time.perf_counter()
             tree = super().propose(state)
-            self.calls.append((state.depth, self.queued, time.perf_counter() - start))
-            self.queued = 0
+            self.calls.append((state.depth, self.queued if self.drafted else None, time.perf_counter() - start))
+            self.queued, self.drafted = 0, True
             return tree
 
     budget = TreeBudget()
