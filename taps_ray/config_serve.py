@@ -146,13 +146,13 @@ class BatchingConfig(Strict):
 
     max_requests: int = Field(default=8, ge=1, description=(
         "steps of that many requests verified in one target forward (1: each alone)"))
+    wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
+        "how long a step waits for the other decoding requests' steps to join its forward (drafter "
+        "deployments batch their sessions' forwards with the same wait)"))
     max_tokens: int = Field(default=64, ge=0, description=(
         "per target forward: tree nodes its requests share; under load each tree is cut to its share (0: no cut)"))
     min_tree_nodes: int = Field(default=4, ge=1, description=(
         "a request whose share of max_tokens is smaller decodes its step plainly, without drafting"))
-    wait_ms: float = Field(default=2.0, ge=0, allow_inf_nan=False, description=(
-        "how long a step waits for the other decoding requests' steps to join its forward (drafter "
-        "deployments batch their sessions' forwards with the same wait)"))
 
 
 class RouteProbe(Strict):
