@@ -47,6 +47,8 @@ RAY_ENV = {
     "RAY_TRAIN_V2_ENABLED": "1",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch for its preemption watcher (read by the driver, passed on to the Train controller)."""
 RAY_LOGGERS = ("ray", "ray.data", "ray.tune", "ray.train", "ray.serve", "ray.air", "py.warnings")
 """Loggers whose records go to the Ray log file instead of the console (``py.warnings``: Python warnings)."""
 WORKER_OUTPUT_LOGGER = "ray.worker_output"
@@ -294,7 +296,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
     one that ``ray start`` or a test cluster left its address for in Ray's temp folder).
 
     A local cluster gets ``num_cpus`` logical CPUs (default 4, so a 2-core laptop can run a
-    target actor next to trainer workers), no dashboard and a 256 MiB object store. With
+    target actor next to trainer workers), no dashboard and a 256 MiB object store, and Ray Train runs
+    without its preemption watcher (an actor per training run that polls for nodes being drained: this
+    process's machine is the only node), unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` is set. With
     :func:`route_ray_logs` active, Ray's messages (INFO and up) go to its file; otherwise Ray logs
     warnings and up to the console.
     """
@@ -313,6 +317,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, configure_logging=not routed)
     else:
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
         ray.init(
             address="local",  # a new cluster even when `ray start` left its address in Ray's temp folder
             num_cpus=num_cpus or int(os.environ.get("TAPS_RAY_CPUS", "4")),

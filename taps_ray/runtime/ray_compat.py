@@ -150,13 +150,16 @@ def train_report_logger_name() -> str:
 
 def trainer_replacing_placement_group_cleaner(trainer_cls: type, cleaner_factory, name: str) -> type:
     """A subclass ``name`` of ``trainer_cls`` (e.g. ``TorchTrainer``) whose default controller callbacks
-    have Ray's placement-group cleaner replaced by ``cleaner_factory()`` (overrides the private
-    ``_create_default_callbacks``)."""
+    have Ray's placement-group cleaner replaced by ``cleaner_factory()``, and Ray's datasets callback dropped
+    when the trainer is given no Ray Datasets (it would start a ``DatasetManager`` actor, a process, for
+    none). Overrides the private ``_create_default_callbacks``."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class Trainer(trainer_cls):
         def _create_default_callbacks(self):
-            kept = [c for c in super()._create_default_callbacks() if not isinstance(c, PlacementGroupCleanerCallback)]
+            dropped = (PlacementGroupCleanerCallback, *(() if self.datasets else (DatasetsCallback,)))
+            kept = [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
             return [*kept, cleaner_factory()]
 
     Trainer.__name__ = Trainer.__qualname__ = name

@@ -133,10 +133,13 @@ def test_native_log_lines_on_stderr_go_to_the_file(capfd, tmp_path):
                                                   ("auto", None, "auto")])
 def test_init_ray_starts_its_own_cluster_unless_told_to_join_one(monkeypatch, given, env, expected):
     """Without an address ``ray.init`` would join the cluster whose address ``ray start`` left in Ray's temp
-    folder (and then refuse ``num_cpus``); init_ray asks for a new local one instead."""
+    folder (and then refuse ``num_cpus``); init_ray asks for a new local one instead, whose Train runs need no
+    preemption watcher."""
     import ray
 
     calls = []
+    monkeypatch.setenv(cluster.PREEMPTION_WATCHER_ENV, "")  # restored (to unset, if it was) after the test
+    monkeypatch.delenv(cluster.PREEMPTION_WATCHER_ENV)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {})
@@ -147,6 +150,7 @@ def test_init_ray_starts_its_own_cluster_unless_told_to_join_one(monkeypatch, gi
     cluster.init_ray(given)
     assert len(calls) == 1 and calls[0]["address"] == expected
     assert ("num_cpus" in calls[0]) == (expected == "local")
+    assert os.environ.get(cluster.PREEMPTION_WATCHER_ENV) == ("0" if expected == "local" else None)
 
 
 def test_set_ray_env_leaves_the_auth_mode_to_ray(monkeypatch):

@@ -88,7 +88,7 @@ def test_importing_it_under_an_untested_ray_fails_unless_escaped(escape):
 
 
 @pytest.mark.slow
-def test_the_trainer_override_replaces_rays_placement_group_cleaner():
+def test_the_trainer_override_replaces_rays_placement_group_cleaner_and_drops_an_unused_datasets_callback():
     from taps_ray.runtime.cluster import set_ray_env
 
     set_ray_env()  # Train V2
@@ -99,8 +99,13 @@ def test_the_trainer_override_replaces_rays_placement_group_cleaner():
         pass
 
     trainer_cls = ray_compat.trainer_replacing_placement_group_cleaner(TorchTrainer, Cleaner, "DrafterTrainer")
-    make = lambda cls: cls(lambda: None, scaling_config=ScalingConfig(num_workers=1))  # noqa: E731
-    default = [type(c).__name__ for c in make(TorchTrainer)._create_default_callbacks()]
-    ours = [type(c).__name__ for c in make(trainer_cls)._create_default_callbacks()]
-    assert trainer_cls.__name__ == "DrafterTrainer" and "PlacementGroupCleanerCallback" in default
-    assert ours == [n for n in default if n != "PlacementGroupCleanerCallback"] + ["Cleaner"]
+    def callbacks(cls, **datasets) -> list[str]:
+        trainer = cls(lambda: None, scaling_config=ScalingConfig(num_workers=1), datasets=datasets or None)
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    default = callbacks(TorchTrainer)
+    assert trainer_cls.__name__ == "DrafterTrainer" and {"PlacementGroupCleanerCallback", "DatasetsCallback"} <= set(default)
+    assert callbacks(trainer_cls) == [n for n in default if n not in ("PlacementGroupCleanerCallback", "DatasetsCallback")
+                                      ] + ["Cleaner"]
+    assert callbacks(trainer_cls, rows=lambda: None) == [n for n in default if n != "PlacementGroupCleanerCallback"
+                                                        ] + ["Cleaner"]
