@@ -148,7 +148,7 @@ def train_report_logger_name() -> str:
     return context.__file__
 
 
-def trainer_replacing_placement_group_cleaner(trainer_cls: type, cleaner_factory, name: str) -> type:
+def trainer_with_taps_default_callbacks(trainer_cls: type, cleaner_factory, name: str) -> type:
     """A subclass ``name`` of ``trainer_cls`` (e.g. ``TorchTrainer``) whose default controller callbacks
     have Ray's placement-group cleaner replaced by ``cleaner_factory()``, and Ray's datasets callback dropped
     when the trainer is given no Ray Datasets (it would start a ``DatasetManager`` actor, a process, for

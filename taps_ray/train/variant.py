@@ -223,10 +223,11 @@ def build_trainer(cfg: ExperimentConfig, plan: VariantPlan, run_dir: Path, sets:
 
 def _trainer_class():
     """``TorchTrainer`` whose placement-group cleaner pings the controller instead of asking the
-    state API, which needs a dashboard (see :mod:`taps_ray.runtime.placement`)."""
+    state API, which needs a dashboard (see :mod:`taps_ray.runtime.placement`), and which starts no
+    ``DatasetManager`` (its workers read the feature cache themselves, no Ray Dataset)."""
     from ray.train.torch import TorchTrainer
 
     from taps_ray.runtime.placement import ReaperCallback
-    from taps_ray.runtime.ray_compat import trainer_replacing_placement_group_cleaner
+    from taps_ray.runtime.ray_compat import trainer_with_taps_default_callbacks
 
-    return trainer_replacing_placement_group_cleaner(TorchTrainer, ReaperCallback, "DrafterTrainer")
+    return trainer_with_taps_default_callbacks(TorchTrainer, ReaperCallback, "DrafterTrainer")

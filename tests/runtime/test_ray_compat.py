@@ -98,7 +98,7 @@ def test_the_trainer_override_replaces_rays_placement_group_cleaner_and_drops_an
     class Cleaner:
         pass
 
-    trainer_cls = ray_compat.trainer_replacing_placement_group_cleaner(TorchTrainer, Cleaner, "DrafterTrainer")
+    trainer_cls = ray_compat.trainer_with_taps_default_callbacks(TorchTrainer, Cleaner, "DrafterTrainer")
     def callbacks(cls, **datasets) -> list[str]:
         trainer = cls(lambda: None, scaling_config=ScalingConfig(num_workers=1), datasets=datasets or None)
         return [type(c).__name__ for c in trainer._create_default_callbacks()]
