@@ -29,7 +29,12 @@ def pytest_configure(config):
     of two ingress replicas). Every process of the tests' clusters inherits it.
 
     The tests' clusters run without Ray's token authentication (as CI always has; set RAY_AUTH_MODE=token to
-    run them with it); ``taps`` itself never turns it off (``tests/runtime/test_cluster.py``)."""
+    run them with it); ``taps`` itself never turns it off (``tests/runtime/test_cluster.py``).
+
+    pytest-xdist (3.6 on) hands out test files by their number of tests, most first, unless told not to:
+    that would undo :data:`LONGEST_FIRST` and leave the longest modules, which have few tests, to the end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the tests' own clusters; the product keeps Ray's default
     os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
@@ -120,15 +125,15 @@ def ray_session():
 
 
 SLOW_FIXTURES = {"embedded_target", "ray_session"}
-LONGEST_FIRST = ("test_crash_resume.py", "serving/test_app.py", "test_multinode.py", "adapt/test_finetune.py",
-                 "sweeps/test_sweeps.py", "spec/test_sampling_composed.py", "serving/test_load_public.py",
-                 "train/test_launch.py", "serving/test_lm_eval_lossless.py", "data/test_clean_clone.py",
-                 "spec/test_embedded.py", "train/test_eagle3_train.py", "serving/test_metrics_export.py",
-                 "serving/test_load.py", "test_types.py", "serving/test_app_eagle3.py", "spec/test_sampling.py",
-                 "data/test_features.py", "serving/test_served_cli.py")
-"""The modules that take longest (40 s or more each alone, longest first; docs/BENCHMARKS.md, "The suite's CPU,
-file by file"): collected first, so that ``make test``'s processes start on them and the short modules fill
-the end."""
+LONGEST_FIRST = ("test_crash_resume.py", "test_multinode.py", "serving/test_app.py", "adapt/test_finetune.py",
+                 "spec/test_sampling_composed.py", "serving/test_lm_eval_lossless.py", "sweeps/test_sweeps.py",
+                 "serving/test_load_public.py", "train/test_launch.py", "data/test_clean_clone.py",
+                 "train/test_eagle3_train.py", "spec/test_embedded.py", "spec/test_sampling.py",
+                 "serving/test_app_eagle3.py", "data/test_features.py", "serving/test_load.py",
+                 "serving/test_metrics_export.py", "serving/test_served_cli.py", "test_cli.py", "eval/test_runner.py")
+"""The modules that take longest (30 s or more each in ``make test``, longest first; docs/BENCHMARKS.md, the
+thirty-fourth session): collected first, and handed out in this order (``pytest_configure``), so that
+``make test``'s processes start on them and the short modules fill the end."""
 RAY_FIXTURES = {"ray_session"}
 
 
