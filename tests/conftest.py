@@ -51,6 +51,17 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """Each test leaves torch's thread count as it found it: an actor class run in-process sets its own (the
+    feature actors take every core), and the next test of its process would compare batched rows against lone
+    ones (bitwise equal at one thread, not at two) on that count."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 def tiny_llama_config(vocab_size: int = 256, hidden_size: int = 64, layers: int = 2) -> LlamaConfig:
     cfg = LlamaConfig(
         vocab_size=vocab_size,
