@@ -1,7 +1,7 @@
-"""The target's forward per row count, five ways in one process: transformers' forward, the static engine
+"""The target's forward per row count, six ways in one process: transformers' forward, the static engine
 with plain ``F.linear`` products, with oneDNN-prepacked products (dense on CPU in float32, and in bfloat16
-where oneDNN has native bf16), with int4 layer weights (where they run: bfloat16 on a CPU) and with fp16
-weights (where they run: float32 on a CPU with fbgemm).
+where oneDNN has native bf16), with int4 layer weights (where they run: bfloat16 on a CPU), with fp16
+weights (where they run: float32 on a CPU with fbgemm) and with q4q8 weights (a CPU with a C compiler).
 
     python benchmarks/bench_engine.py [--dtype float32] [--rows 1,2,4,8,16,24,32] [--repeats 10]
     python benchmarks/bench_engine.py --products     # the layers' products alone, per weight format
@@ -15,8 +15,9 @@ line per n, and the weight-read floor (every weight read once) measured in the s
 ``--products``: the 30 layers' four products of the embedded target's shapes on random weights (425 MB in
 fp32, read from memory, not cache), per row count, as fp32 ``F.linear``, fp32 oneDNN-prepacked, bf16 and
 fp16 ``F.linear``, torch's int8 weight-only kernel (``_weight_int8pack_mm``), bf16 oneDNN-prepacked,
-int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations) and fp16 weights through fbgemm
-with fp32 activations (:class:`~taps_ray.models.quant.HalfLinear`): which formats pay here.
+int4 codes in groups of 32 (``models/quant.py``, bf16 and fp32 activations), fp16 weights through fbgemm
+with fp32 activations (:class:`~taps_ray.models.quant.HalfLinear`) and the q4q8 kernel (bf16 and fp32
+activations, :class:`~taps_ray.models.quant.Q4Q8Linear`): which formats pay here.
 
 ``--attention``: one ``scaled_dot_product_attention`` call of the embedded target's shape (9 query and 3 kv heads
 of 64) for n new rows after each ``--cached`` length, keys and values in bf16 and in float32 (the query cast to
@@ -39,8 +40,10 @@ from taps_ray.models.quant import (
     INT4_MAX_ROWS,
     HalfLinear,
     Int4Linear,
+    Q4Q8Linear,
     fp16_unsupported,
     int4_unsupported,
+    q4q8_unsupported,
     quantize_rtn,
 )
 from taps_ray.models.target import TargetModel
@@ -114,6 +117,8 @@ def products(rows: list[int], repeats: int) -> None:
     bf16_packed = ([[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in half["bf16"]]
                    if can_pack(torch.device("cpu"), torch.bfloat16) else None)
     int4 = [[Int4Linear(quantize_rtn(w), None, torch.bfloat16, w) for w in layer] for layer in weights]
+    q4q8 = (None if q4q8_unsupported(torch.device("cpu"), torch.float32) is not None
+            else [[Q4Q8Linear(quantize_rtn(w), None, w) for w in layer] for layer in weights])
     fbgemm = (None if fp16_unsupported(torch.device("cpu"), torch.float32) is not None
               else [[HalfLinear(w, None) for w in layer] for layer in weights])
     int8 = []
@@ -134,8 +139,8 @@ def products(rows: list[int], repeats: int) -> None:
         return 1e3 * min(times)
 
     print("rows | fp32 F.linear | fp32 oneDNN packed | bf16 F.linear | fp16 F.linear | int8 weight-only | "
-          "bf16 oneDNN packed | int4 (bf16 activations) | int4 (fp32 activations) | fp16 fbgemm (fp32 activations)"
-          "  (ms)")
+          "bf16 oneDNN packed | int4 (bf16 activations) | int4 (fp32 activations) | fp16 fbgemm (fp32 activations) | "
+          "q4q8 (bf16 activations) | q4q8 (fp32 activations)  (ms)")
     for n in rows:
         x = {576: torch.randn(n, 576), 1536: torch.randn(n, 1536)}
         cols = [best(lambda x=x: [F.linear(x[w.shape[1]], w) for layer in formats["fp32"] for w in layer]),
@@ -156,6 +161,9 @@ def products(rows: list[int], repeats: int) -> None:
                                       for layer, lq in zip(weights, int4) for w, q in zip(layer, lq)]))
         cols.append(float("nan") if fbgemm is None else best(
             lambda x=x: [h(x[w.shape[1]]) for layer, lh in zip(weights, fbgemm) for w, h in zip(layer, lh)]))
+        for xs in (xb, x):
+            cols.append(float("nan") if q4q8 is None else best(
+                lambda xs=xs: [q(xs[w.shape[1]]) for layer, lq in zip(weights, q4q8) for w, q in zip(layer, lq)]))
         print(f"{n} | " + " | ".join(f"{c:.1f}" for c in cols))
 
 
@@ -209,14 +217,17 @@ def main() -> None:
             if int4_unsupported(static.device, static.dtype) is None else None)
     fp16 = (TargetModel.load(TargetConfig(dtype=args.dtype, weights="fp16"))
             if fp16_unsupported(static.device, static.dtype) is None else None)
+    q4q8 = (TargetModel.load(TargetConfig(dtype=args.dtype, weights="q4q8"))
+            if q4q8_unsupported(static.device, static.dtype) is None else None)
     ids = static.encode_chat([{"role": "user", "content": PROMPT}])
     packable = can_pack(static.device, static.dtype)
-    for name, target in (("dense", static), ("int4", int4), ("fp16", fp16)):
+    for name, target in (("dense", static), ("int4", int4), ("fp16", fp16), ("q4q8", q4q8)):
         if target is not None:
             floor = weight_read_floor(target)
             print(f"threads {torch.get_num_threads()}, dtype {args.dtype}, prompt {ids.shape[1]} tokens; {name} "
                   f"weight-read floor {floor['read_ms']} ms ({floor['weight_mb']} MB at {floor['gb_per_s']} GB/s)")
-    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms | static, int4 ms | static, fp16 ms")
+    print("rows | transformers ms | static, F.linear ms | static, oneDNN packed ms | static, int4 ms | static, fp16 ms | "
+          "static, q4q8 ms")
     for rows in (int(r) for r in args.rows.split(",")):
         hf_ms = forward_ms(hf, ids, rows, args.repeats)
         set_packing(static, False)
@@ -225,7 +236,8 @@ def main() -> None:
         packed_ms = forward_ms(static, ids, rows, args.repeats)
         int4_ms = forward_ms(int4, ids, rows, args.repeats) if int4 is not None else float("nan")
         fp16_ms = forward_ms(fp16, ids, rows, args.repeats) if fp16 is not None else float("nan")
-        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f} | {int4_ms:.1f} | {fp16_ms:.1f}")
+        q4q8_ms = forward_ms(q4q8, ids, rows, args.repeats) if q4q8 is not None else float("nan")
+        print(f"{rows} | {hf_ms:.1f} | {plain_ms:.1f} | {packed_ms:.1f} | {int4_ms:.1f} | {fp16_ms:.1f} | {q4q8_ms:.1f}")
 
 
 if __name__ == "__main__":

@@ -43,12 +43,11 @@ class TargetConfig(Strict):
     engine: Literal["auto", "static", "hf"] = Field(default="auto", description=(
         "auto: the static-cache engine (models/engine.py) for Llama, Mistral, Qwen2/3 and Phi-3 targets, "
         "transformers' forward for other families; static: require it; hf: always transformers' forward"))
-    weights: Literal["auto", "dense", "int4", "fp16"] = Field(default="auto", description=(
-        "the static engine's weights: dense (in target.dtype), int4 (layers on 4-bit codes in groups of 32: a "
-        "GGUF's own Q4_1 blocks, else round-to-nearest; CPU, bfloat16), fp16 (every product on half-precision "
-        "weights, float32 activations: fbgemm, CPU); auto: where measured faster, int4 on a CPU with native bf16 "
-        "running bfloat16, fp16 on a CPU running float32 from dtype auto, dense elsewhere (an explicit "
-        "dtype float32 stays dense: the bitwise reference)"))
+    weights: Literal["auto", "dense", "int4", "fp16", "q4q8"] = Field(default="auto", description=(
+        "the static engine's weights: dense (target.dtype); int4 (4-bit codes in groups of 32, a GGUF's own Q4_1 or "
+        "round-to-nearest; torch's kernel; CPU, bf16); q4q8 (those codes times int8 activations, llama.cpp's Q4_1 x "
+        "Q8_1; a C kernel built at first use; CPU); fp16 (fbgemm, float32 activations, CPU); auto: q4q8 (int4 without "
+        "a C compiler or with compile) on a CPU with native bf16, fp16 from dtype auto without it, else dense"))
     int4_max_rows: int | None = Field(default=None, ge=1, description=(
         "int4 weights of a GGUF target: steps of up to this many tokens read the 4-bit codes, wider ones the "
         "packed dense copy; None: measured on this machine with the cost model (seconds, once, cached under "

@@ -38,6 +38,7 @@ from taps_ray.models.quant import (
     Int4Linear,
     Int4Weight,
     LinearForward,
+    Q4Q8Linear,
     half_rows,
     install_forwards,
     quantize_rtn,
@@ -164,16 +165,20 @@ class RMSNorm:
         return self.module.parameters()
 
 
+Product = Linear | Int4Linear | HalfLinear | Q4Q8Linear
+"""One layer product ``x [T, K] -> [T, N]`` in the engine's weight format."""
+
+
 @dataclass
 class _Layer:
     norm_in: RMSNorm
-    qkv: Linear | Int4Linear | HalfLinear
+    qkv: Product
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    o_proj: Linear | Int4Linear | HalfLinear
+    o_proj: Product
     norm_post: RMSNorm
-    gate_up: Linear | Int4Linear | HalfLinear
-    down: Linear | Int4Linear | HalfLinear
+    gate_up: Product
+    down: Product
     window: int | None
 
 
@@ -209,8 +214,8 @@ class StaticEngine:
         self.dtype, self.device = param.dtype, param.device
         self.packed = can_pack(self.device, self.dtype)
         self.attention_dtype = attention_dtype(self.device, self.dtype)
-        if weights not in ("dense", "int4", "fp16"):
-            raise ValueError(f"weights must be dense, int4 or fp16, got {weights!r}")
+        if weights not in ("dense", "int4", "fp16", "q4q8"):
+            raise ValueError(f"weights must be dense, int4, fp16 or q4q8, got {weights!r}")
         self.weights = weights
         self._codes = int4_codes or {}
         self._names = {id(p): name for name, p in model.named_parameters()}
@@ -246,7 +251,7 @@ class StaticEngine:
                       self._product(mlp.down_proj.weight, mlp.down_proj.bias, names([mlp.down_proj])), window)
 
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 names: list[str]) -> Linear | Int4Linear | HalfLinear:
+                 names: list[str]) -> Product:
         """The product of one (fused) weight [N, K] made of the parameters ``names``, in this engine's format."""
         if self.weights == "dense":
             return Linear(weight, bias, self.packed)
@@ -254,16 +259,19 @@ class StaticEngine:
             return HalfLinear(weight, bias)
         given = [self._codes.get(name) for name in names]
         if not all(given):
-            return Int4Linear(quantize_rtn(weight), bias, self.dtype, weight)
+            codes = quantize_rtn(weight)
+            return Q4Q8Linear(codes, bias, weight) if self.weights == "q4q8" else Int4Linear(codes, bias, self.dtype, weight)
         codes = Int4Weight.cat(given)
         error = float((codes.dequantize() - weight.detach().float().cpu()).abs().max())
         bound = torch.finfo(self.dtype).eps * float(weight.detach().abs().max())
         if error > bound:
             raise ValueError(f"the int4 codes of {', '.join(names)} do not match the dense weights (largest "
                              f"difference {error:.3g} > {bound:.3g}): the file's layout is not the one this target loaded")
+        if self.weights == "q4q8":
+            return Q4Q8Linear(codes, bias, weight)
         return Int4Linear(codes, bias, self.dtype, weight, Linear(weight, bias, True) if self.packed else None)
 
-    def products(self) -> list[Linear | Int4Linear | HalfLinear]:
+    def products(self) -> list[Product]:
         """Every layer product, layer by layer: q/k/v, output, gate/up, down."""
         return [product for layer in self.layers for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
 
@@ -303,6 +311,8 @@ class StaticEngine:
             for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 if isinstance(product, Int4Linear):
                     tensors += [product.packed, product.scale_zero]
+                elif isinstance(product, Q4Q8Linear):
+                    tensors.append(product.packed)
                 elif isinstance(product, HalfLinear):
                     tensors.append(product.read_proxy())
                 else:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-WEIGHT_FORMATS = ("auto", "dense", "int4", "fp16")
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp16", "q4q8")
 HALF_PROBE_ROWS = 256
 LAYER_PROJECTIONS = {  # GGUF block tensor -> the HF module path inside a decoder layer
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -206,23 +206,41 @@ def fp16_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def q4q8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why q4q8 products cannot run on ``device`` in ``dtype``, or None when they can (a CPU, float32 or bfloat16
+    activations, a C compiler to build the kernel with: :mod:`~taps_ray.models.native`)."""
+    from taps_ray.models.native import compiler
+
+    if device.type != "cpu":
+        return f"q4q8 weights run on a CPU kernel only (device {device.type}); use target.weights=dense"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return (f"q4q8 weights take float32 or bfloat16 activations (target.dtype="
+                f"{str(dtype).removeprefix('torch.')}); use target.weights=dense")
+    if compiler() is None:
+        return "q4q8 weights build their kernel with a C compiler (cc or $CC), and there is none here"
+    return None
+
+
 def weights_unsupported(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the format ``weights`` (dense, int4 or fp16) cannot run on ``device`` in ``dtype``, or None."""
+    """Why the format ``weights`` (dense, int4, fp16 or q4q8) cannot run on ``device`` in ``dtype``, or None."""
     if weights == "int4":
         return int4_unsupported(device, dtype)
     if weights == "fp16":
         return fp16_unsupported(device, dtype)
+    if weights == "q4q8":
+        return q4q8_unsupported(device, dtype)
     return None
 
 
 def auto_weights(device: torch.device, dtype: torch.dtype, dtype_requested: str = "auto") -> str:
-    """``target.weights: auto``, where each format was measured faster than dense (docs/BENCHMARKS.md): int4 on a
-    CPU with native bf16 running bfloat16; fp16 on a CPU running float32 because ``target.dtype`` was ``auto``
-    (an explicit ``float32`` keeps dense float32 weights, the bitwise reference); dense everywhere else."""
+    """``target.weights: auto``, where each format was measured faster than dense (docs/BENCHMARKS.md): on a CPU with
+    native bf16 running bfloat16, q4q8 where its kernel builds (a C compiler), else int4; fp16 on a CPU running
+    float32 because ``target.dtype`` was ``auto`` (an explicit ``float32`` keeps dense float32 weights, the bitwise
+    reference); dense everywhere else."""
     from taps_ray.models.target_loading import cpu_native_bf16
 
     if int4_unsupported(device, dtype) is None and cpu_native_bf16():
-        return "int4"
+        return "q4q8" if q4q8_unsupported(device, dtype) is None else "int4"
     if dtype_requested == "auto" and fp16_unsupported(device, dtype) is None:
         return "fp16"
     return "dense"
@@ -254,9 +272,7 @@ class Int4Linear:
 
     def check(self) -> None:
         """RuntimeError if the dense parameter changed after its codes were packed."""
-        if tensor_identity(self.source) != self._key:
-            raise RuntimeError("the target's weights changed after they were packed to int4; reload the target "
-                               "(or use target.weights=dense)")
+        check_unchanged(self.source, self._key, "int4")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.check()
@@ -264,6 +280,35 @@ class Int4Linear:
             return self.wide(x)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return out if self.bias is None else out + self.bias
+
+
+class Q4Q8Linear:
+    """``x [T, K] -> x @ W.T + bias`` [T, N] in ``x``'s dtype (float32 or bfloat16) for an :class:`Int4Weight`, each
+    row of ``x`` quantized to int8 per group of 32 on the fly (GGUF's Q4_1 x Q8_1 arithmetic, the C kernel of
+    :mod:`~taps_ray.models.native`). A row's result does not depend on the other rows of its step. ``source``:
+    the dense parameter the codes were made from; a change to it after packing is an error."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, source: torch.Tensor):
+        from taps_ray.models.native import pack_q4q8
+
+        n, k = weight.codes.shape
+        if k % GROUP or n % 16:
+            raise ValueError(f"q4q8 weights need input features in multiples of {GROUP} and output features in "
+                             f"multiples of 16, got {n}x{k}")
+        self.packed = pack_q4q8(weight.codes, weight.scale, weight.minimum)
+        self.out_features = n
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.source, self._key = source, tensor_identity(source)
+
+    def check(self) -> None:
+        """RuntimeError if the dense parameter changed after its codes were packed."""
+        check_unchanged(self.source, self._key, "q4q8")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from taps_ray.models.native import q4q8_matmul
+
+        self.check()
+        return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias)
 
 
 class HalfLinear:
@@ -281,9 +326,7 @@ class HalfLinear:
         self._key = tensor_identity(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if tensor_identity(self.weight) != self._key:
-            raise RuntimeError("the target's weights changed after they were packed to fp16; reload the target "
-                               "(or use target.weights=dense)")
+        check_unchanged(self.weight, self._key, "fp16")
         rows = x.shape[0]
         padded = half_rows(rows)
         if padded > rows:
@@ -385,6 +428,14 @@ def half_row_counts() -> list[int]:
             counts[m] = after
     _row_counts[threads] = counts
     return counts
+
+
+def check_unchanged(source: torch.Tensor, key: tuple[int, int | None], weights: str) -> None:
+    """RuntimeError if the dense parameter ``source`` is no longer what it was (``key``: its :func:`tensor_identity`)
+    when it was packed to ``weights``: a product never runs on stale weights."""
+    if tensor_identity(source) != key:
+        raise RuntimeError(f"the target's weights changed after they were packed to {weights}; reload the target "
+                           f"(or use target.weights=dense)")
 
 
 def tensor_identity(tensor: torch.Tensor) -> tuple[int, int | None]:

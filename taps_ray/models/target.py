@@ -176,6 +176,8 @@ class TargetModel:
             gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
+        if cfg.compile and cfg.weights == "auto" and weights == "q4q8":
+            weights = "int4"  # compiled steps run torch's int4 kernel
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
                      weights_required=cfg.weights != "auto", graphs=cfg.graphs, compile=cfg.compile)
         if cfg.int4_max_rows is not None:
@@ -440,7 +442,7 @@ def _engine(model: PreTrainedModel, windows: list[int | None], name: str, reques
                               f"sliding-window layers (engine: {reason or 'static'}, device {device}); use graphs auto or off")
     if reason is None:
         codes: dict[str, Int4Weight] = {}
-        if weights == "int4" and gguf is not None:
+        if weights in ("int4", "q4q8") and gguf is not None:
             codes = read_gguf_q4_1(gguf, model.config.get_text_config(decoder=True))
         try:
             return StaticEngine(model, windows, weights, codes, graphs=graphable and graphs != "off", compile=compile)

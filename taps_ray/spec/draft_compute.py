@@ -101,10 +101,13 @@ class DraftHeadProduct:
 
 def draft_head_kind(target) -> str:
     """The :class:`DraftHeadProduct` kind for drafting against ``target``: its weights' format where it has a
-    low-bit one, ``packed`` where its engine packs its products, else ``dense``."""
+    low-bit one (``int4`` for a bfloat16 q4q8 target too), ``packed`` where its engine packs its products, else
+    ``dense``."""
     weights = getattr(target, "weights", "dense")
-    if weights in ("int4", "fp16"):
-        return "half" if weights == "fp16" else "int4"
+    if weights == "int4" or (weights == "q4q8" and getattr(target, "dtype", None) == torch.bfloat16):
+        return "int4"
+    if weights == "fp16":
+        return "half"
     engine = getattr(target, "engine", None)
     return "packed" if engine is not None and engine.packed else "dense"
 

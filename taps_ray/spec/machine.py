@@ -55,6 +55,6 @@ def engine_label(engine) -> str:
     ``-compiled`` where they run compiled on CPU."""
     graphs = "-graphs" if getattr(engine, "graphs", None) is not None else ""
     graphs += "-compiled" if getattr(engine, "compiled", None) is not None else ""
-    if engine.weights in ("int4", "fp16"):
+    if engine.weights in ("int4", "fp16", "q4q8"):
         return f"static-{engine.weights}{graphs}"
     return f"static{'-packed' if engine.packed else ''}{graphs}"

@@ -15,12 +15,14 @@ from taps_ray.models.quant import (
     HalfLinear,
     Int4Linear,
     Int4Weight,
+    Q4Q8Linear,
     _q4_1_blocks,
     _unpermute_rope_rows,
     auto_weights,
     fp16_unsupported,
     half_row_counts,
     int4_unsupported,
+    q4q8_unsupported,
     quantize_rtn,
     read_gguf_q4_1,
 )
@@ -87,7 +89,10 @@ def test_int4_runs_where_its_kernel_pays_and_says_why_elsewhere(monkeypatch):
     monkeypatch.setattr("taps_ray.models.target_loading.cpu_native_bf16", lambda: None)
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "dense"
     monkeypatch.setattr("taps_ray.models.target_loading.cpu_native_bf16", lambda: "avx512_bf16")
+    monkeypatch.setattr("taps_ray.models.quant.q4q8_unsupported", lambda device, dtype: "no C compiler")
     assert auto_weights(torch.device("cpu"), torch.bfloat16) == "int4"
+    monkeypatch.setattr("taps_ray.models.quant.q4q8_unsupported", lambda device, dtype: None)
+    assert auto_weights(torch.device("cpu"), torch.bfloat16) == "q4q8"
     assert auto_weights(torch.device("cpu"), torch.float32, "float32") == "dense"
 
 
@@ -196,6 +201,46 @@ def test_fp16_engine_greedy_speculation_equals_its_vanilla_bitwise(seed):
                                                                                  lookup_tokens=0)),
                      OracleStrategy(sequence, half.vocab_size, depth=5, seed=seed)):
         spec = generate(half, prompt, strategy, max_new_tokens=48)
+        assert spec.token_ids == vanilla.token_ids
+
+
+needs_cc = pytest.mark.skipif(q4q8_unsupported(torch.device("cpu"), torch.float32) is not None,
+                             reason="no C compiler to build the q4q8 kernel with")
+
+
+@pytest.mark.slow
+@needs_cc
+@pytest.mark.parametrize("seed, dtype", [(0, torch.float32), (1, torch.float32), (2, torch.bfloat16)])
+def test_q4q8_engine_greedy_speculation_equals_its_vanilla_bitwise(seed, dtype):
+    """The q4q8 engine is its own exact reference: greedy speculation (tree steps of 2-40 rows) emits vanilla's
+    tokens (one-row steps), and its logits follow the dense forward of the codes' values within int8 activation
+    rounding."""
+    from taps_ray.models.drafter import DraftHead
+    from taps_ray.spec.decoder import generate
+    from taps_ray.spec.protocol import SingleStrategy
+    from tests.spec.spec_helpers import OracleStrategy, peaky_tiny_target, random_prompt
+
+    dense = peaky_tiny_target(seed)
+    with torch.no_grad():
+        for name, param in dense.model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.copy_(quantize_rtn(param).dequantize())
+    model = peaky_tiny_target(seed).model
+    model.load_state_dict(dense.model.state_dict())
+    q4q8 = TargetModel(model.to(dtype), None, "peaky-q4q8", weights="q4q8")
+    assert q4q8.weights == "q4q8" and q4q8.precision.endswith("q4q8 weights") and not q4q8.exact_reference
+    assert q4q8.engine.products() and all(isinstance(p, Q4Q8Linear) for p in q4q8.engine.products())
+    prompt = random_prompt(q4q8, 6 + seed, seed)
+    with torch.inference_mode():
+        reference = dense.prefill(prompt[None]).logits
+        error = float((q4q8.prefill(prompt[None]).logits.float() - reference).abs().max())
+    assert 0 < error < 0.05 * float(reference.abs().max())
+    vanilla = generate(q4q8, prompt, max_new_tokens=48)
+    sequence = torch.cat([prompt, torch.tensor(vanilla.token_ids)])
+    for strategy in (SingleStrategy(DraftHead(q4q8.config, seed=seed).to(dtype),
+                                    TreeConfig(depth=3, top_k=4, total_tokens=24, lookup_tokens=0)),
+                     OracleStrategy(sequence, q4q8.vocab_size, depth=5, seed=seed)):
+        spec = generate(q4q8, prompt, strategy, max_new_tokens=48)
         assert spec.token_ids == vanilla.token_ids
 
 

@@ -42,7 +42,8 @@ def test_fingerprint_does_not_depend_on_dtype(embedded_target):
 @pytest.mark.integration
 def test_the_compile_switch_reaches_the_engine_of_the_embedded_target():
     """target.compile=true: the int4 engine holds the compiled steps (compiled at their first call, not at
-    load) and says so in its label; a dense float32 target refuses the switch by name."""
+    load) and says so in its label; auto weights pick int4 for it (q4q8 steps are not compiled); a dense float32
+    target refuses the switch by name."""
     from taps_ray.models.quant import int4_unsupported
     from taps_ray.spec.machine import engine_label
 
@@ -50,6 +51,8 @@ def test_the_compile_switch_reaches_the_engine_of_the_embedded_target():
         target = TargetModel.load(TargetConfig(dtype="bfloat16", weights="int4", compile=True))
         assert target.engine.compiled is not None and target.engine.compiled.compiles == 0
         assert engine_label(target.engine) == "static-int4-compiled"
+        auto = TargetModel.load(TargetConfig(dtype="bfloat16", compile=True))  # auto weights: what compiles
+        assert auto.weights == "int4" and auto.engine.compiled is not None
     with pytest.raises(TargetLoadError, match=r"compiled steps need int4 weights on a CPU target .*weights dense"):
         TargetModel.load(TargetConfig(dtype="float32", compile=True))
 

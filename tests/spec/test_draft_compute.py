@@ -63,16 +63,18 @@ def test_unknown_kind_names_the_valid_ones():
 
 
 class _Target:
-    def __init__(self, weights, packed):
-        self.weights = weights
+    def __init__(self, weights, packed, dtype=torch.bfloat16):
+        self.weights, self.dtype = weights, dtype
         self.engine = None if packed is None else type("Engine", (), {"packed": packed})()
 
 
-@pytest.mark.parametrize("weights,packed,kind", [("int4", True, "int4"), ("fp16", None, "half"),
-                                                  ("dense", True, "packed"), ("dense", False, "dense"),
-                                                  ("dense", None, "dense")])
-def test_draft_head_kind_follows_the_targets_weights_and_engine(weights, packed, kind):
-    assert draft_head_kind(_Target(weights, packed)) == kind
+@pytest.mark.parametrize("weights,packed,dtype,kind", [
+    ("int4", True, torch.bfloat16, "int4"), ("fp16", None, torch.float32, "half"),
+    ("q4q8", True, torch.bfloat16, "int4"), ("q4q8", True, torch.float32, "packed"),
+    ("dense", True, torch.float32, "packed"), ("dense", False, torch.float32, "dense"),
+    ("dense", None, torch.float32, "dense")])
+def test_draft_head_kind_follows_the_targets_weights_and_engine(weights, packed, dtype, kind):
+    assert draft_head_kind(_Target(weights, packed, dtype)) == kind
 
 
 def test_log_probs_normalise_and_report_entropy():

@@ -1,0 +1,137 @@
+"""The C kernel of ``target.weights: q4q8`` (``q4q8.c``): built at first use, loaded through ctypes.
+
+The source ships with the package. :func:`q4q8_library` compiles it once per machine kind with the system C
+compiler (``cc -O3 -march=native -fopenmp``: about a second) into ``TAPS_CACHE/kernels/``, named by a hash of the
+source, the compiler and the CPU's flags, so a cache shared across machines never hands one CPU another's
+build; a process loads it once. OpenMP runs on the libgomp torch has loaded (the same soname), so the kernel's
+threads are torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from taps_ray import artifacts
+
+SOURCE = Path(__file__).with_name("q4q8.c")
+MARCH_ENV = "TAPS_KERNEL_MARCH"
+"""The ``-march`` the kernel is built for (default ``native``): ``haswell`` builds the AVX2 loop on an AVX-512
+machine, to measure what the AVX2 kind of machine runs."""
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel could not be built or loaded here (no C compiler, a compiler error)."""
+
+
+def compiler() -> str | None:
+    """The C compiler the kernel is built with: ``$CC`` where set, else ``cc``; None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of this machine's build."""
+    return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-shared", "-fPIC")
+
+
+def _build_key(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (version, _cpu_flags(), " ".join(build_flags())):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def kernels_dir() -> Path:
+    return artifacts.cache_dir() / "kernels"
+
+
+def q4q8_library() -> ctypes.CDLL:
+    """The loaded kernel (built first where this machine kind has no build yet); :class:`KernelBuildError` when it
+    cannot be built."""
+    global _library
+    with _lock:
+        if _library is None:
+            _library = _declare(ctypes.CDLL(str(_built())))
+        return _library
+
+
+def _built() -> Path:
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError(f"target.weights=q4q8 builds its kernel with a C compiler at first use, and there is "
+                               f"none here (${{CC}} or cc: {os.environ.get('CC', 'cc')!r}); install gcc or use "
+                               f"target.weights=int4")
+    folder = kernels_dir()
+    library = folder / f"q4q8-{_build_key(cc)}.so"
+    if library.is_file():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        partial = Path(scratch) / library.name
+        flags = build_flags()
+        done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise KernelBuildError(f"building the q4q8 kernel failed ({cc} {' '.join(flags)}):\n{done.stderr[-2000:]}")
+        os.replace(partial, library)  # atomic: a process building beside this one never loads half a file
+    return library
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.taps_q4q8_kernel.restype = ctypes.c_char_p
+    lib.taps_q4q8_packed_bytes.argtypes, lib.taps_q4q8_packed_bytes.restype = [size, size], size
+    lib.taps_q4q8_pack.argtypes = [pointer, pointer, pointer, size, size, pointer]
+    lib.taps_q4q8_pack.restype = None
+    lib.taps_q4q8_matmul.argtypes = [pointer, flag, size, size, pointer, pointer, size, pointer, flag, pointer, flag]
+    lib.taps_q4q8_matmul.restype = None
+    return lib
+
+
+def q4q8_kernel() -> str:
+    """Which build runs here: ``avx512-vnni``, ``avx2`` or ``portable``."""
+    return q4q8_library().taps_q4q8_kernel().decode()
+
+
+def pack_q4q8(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernel's packed weight (uint8) of ``codes`` [N, K] (0..15) and ``scale``, ``minimum`` [N, K / 32]; the
+    scales and minima are stored in fp16 (a GGUF's own are fp16: exact)."""
+    lib = q4q8_library()
+    n, k = codes.shape
+    out = torch.empty(lib.taps_q4q8_packed_bytes(n, k), dtype=torch.uint8)
+    codes, scale_half, minimum_half = (codes.to(torch.uint8).contiguous(), scale.half().contiguous(),
+                                       minimum.half().contiguous())
+    lib.taps_q4q8_pack(codes.data_ptr(), scale_half.data_ptr(), minimum_half.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def q4q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] (float32 or bfloat16, contiguous) times the packed weight of ``n`` outputs (+ ``bias`` [n]
+    float32): [M, n] in ``x``'s dtype."""
+    lib = q4q8_library()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    work = torch.empty(m * k + 16 + 8 * m * (k // 32), dtype=torch.uint8)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.taps_q4q8_matmul(x.data_ptr(), bf16, m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                         out.data_ptr(), bf16, work.data_ptr(), torch.get_num_threads())
+    return out

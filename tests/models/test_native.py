@@ -1,0 +1,118 @@
+"""models/native.py and q4q8.c: the Q4_1 x Q8_1 kernel built at first use, its arithmetic against a torch
+emulation, row and thread independence, and the same results from every build (AVX-512 VNNI, AVX2, portable)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taps_ray.models import native
+from taps_ray.models.quant import GROUP, Int4Weight, Q4Q8Linear, q4q8_unsupported, quantize_rtn
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler: q4q8 is refused (tested below)")
+
+
+def emulated(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """The kernel's arithmetic in float64 torch: x quantized per row and group of 32 to int8 (round half to even),
+    integer dots per group, scaled by the fp16 scale and minimum."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(groups * inv).double()  # [M, G, 32]
+    dx = (amax / 127.0).double()[..., 0]  # [M, G]
+    sx = dx * xq.sum(-1)
+    codes = weight.codes.double().reshape(weight.codes.shape[0], -1, GROUP)  # [N, G, 32]
+    dots = torch.einsum("mgj,ngj->mng", xq, codes)
+    scale, minimum = weight.scale.half().double(), weight.minimum.half().double()
+    return (dots * scale[None] * dx[:, None] + minimum[None] * sx[:, None]).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def weight() -> Int4Weight:
+    torch.manual_seed(0)
+    return quantize_rtn(torch.randn(96, 160) * 0.05)
+
+
+def test_the_kernel_builds_once_into_the_cache_and_names_its_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_library", None)
+    assert native.q4q8_kernel() in ("avx512-vnni", "avx2", "portable")
+    built = list((tmp_path / "kernels").glob("q4q8-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_library", None)
+    native.q4q8_library()
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("q4q8-*.so")] == [stamp]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_is_q4_1_times_q8_1(weight, dtype):
+    x = (torch.randn(7, 160) * torch.linspace(0.1, 3.0, 160)).to(dtype)
+    x[2, 32:64] = 0.0  # a group of zeros: no scale, no NaN
+    bias = torch.randn(96)
+    linear = Q4Q8Linear(weight, bias, torch.zeros(1))
+    got = linear(x).double()
+    expected = emulated(x, weight) + bias.double()
+    rounding = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert float((got - expected).abs().max()) <= rounding * float(expected.abs().max())
+    exact = x.double() @ weight.dequantize().double().T + bias.double()
+    assert float((got - exact).abs().max()) <= 0.02 * float(exact.abs().max())  # int8 activations: ~1/254 a group
+    assert got.dtype == torch.float64 and linear(x).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(weight, dtype):
+    linear = Q4Q8Linear(weight, None, torch.zeros(1))
+    x = torch.randn(11, 160).to(dtype)
+    together = linear(x)
+    for rows in (1, 2, 3, 4, 5, 9):
+        assert torch.equal(torch.cat([linear(x[i:i + rows]) for i in range(0, 11, rows)]), together), rows
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(linear(x), together)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_every_build_computes_the_same_bits(weight, tmp_path, monkeypatch):
+    """The AVX-512 VNNI, AVX2 and portable loops round alike: each kind of machine gets one answer (the AVX2 kind
+    runs the AVX2 build; this machine checks every build its CPU can run, built as $TAPS_KERNEL_MARCH says)."""
+    flags = set(native._cpu_flags().split())
+    builds = {"x86-64": "portable"} if "sse2" in flags else {}
+    if {"avx2", "fma", "f16c"} <= flags:
+        builds["haswell"] = "avx2"
+    x, bias = torch.randn(6, 160), torch.randn(96)
+    reference = [Q4Q8Linear(weight, bias, torch.zeros(1))(x.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    for march, kernel in builds.items():
+        monkeypatch.setenv(native.MARCH_ENV, march)
+        monkeypatch.setattr(native, "_library", None)
+        assert native.q4q8_kernel() == kernel
+        linear = Q4Q8Linear(weight, bias, torch.zeros(1))
+        assert all(torch.equal(linear(x.to(ref.dtype)), ref) for ref in reference), kernel
+    assert len(list((tmp_path / "kernels").glob("q4q8-*.so"))) == len(builds)
+
+
+def test_shapes_the_kernel_cannot_tile_are_refused():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Q4Q8Linear(quantize_rtn(torch.randn(40, 64)), None, torch.zeros(1))
+
+
+def test_a_weight_changed_after_packing_is_an_error(weight):
+    source = torch.zeros(3)
+    linear = Q4Q8Linear(weight, None, source)
+    source.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed after they were packed to q4q8"):
+        linear(torch.randn(1, 160))
+
+
+def test_without_a_compiler_q4q8_is_refused_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native, "_library", None)
+    assert "C compiler" in q4q8_unsupported(torch.device("cpu"), torch.float32)
+    with pytest.raises(native.KernelBuildError, match="no-such-cc"):
+        native.q4q8_library()
+    assert "CPU kernel only" in q4q8_unsupported(torch.device("cuda"), torch.float32)
+    assert "float16" in q4q8_unsupported(torch.device("cpu"), torch.float16)
