@@ -48,9 +48,10 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build_flags() -> tuple[str, ...]:
-    """The compiler flags of this machine's build."""
-    return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-shared", "-fPIC")
+def build_flags(openmp: bool = True) -> tuple[str, ...]:
+    """The compiler flags of this machine's build (without OpenMP: one thread, for a compiler that has none)."""
+    return ("-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", *(("-fopenmp",) if openmp else ()),
+            "-shared", "-fPIC")
 
 
 def _build_key(cc: str) -> str:
@@ -71,7 +72,11 @@ def q4q8_library() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            _library = _declare(ctypes.CDLL(str(_built())))
+            built = _built()
+            try:
+                _library = _declare(ctypes.CDLL(str(built)))
+            except OSError as err:
+                raise KernelBuildError(f"the q4q8 kernel {built} does not load: {err}") from err
         return _library
 
 
@@ -88,9 +93,12 @@ def _built() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         partial = Path(scratch) / library.name
-        flags = build_flags()
-        done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
+        for flags in (build_flags(), build_flags(openmp=False)):
+            done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+                                  check=False)
+            if done.returncode == 0:
+                break
+        else:
             raise KernelBuildError(f"building the q4q8 kernel failed ({cc} {' '.join(flags)}):\n{done.stderr[-2000:]}")
         os.replace(partial, library)  # atomic: a process building beside this one never loads half a file
     return library

@@ -208,8 +208,9 @@ def fp16_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def q4q8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why q4q8 products cannot run on ``device`` in ``dtype``, or None when they can (a CPU, float32 or bfloat16
-    activations, a C compiler to build the kernel with: :mod:`~taps_ray.models.native`)."""
-    from taps_ray.models.native import compiler
+    activations, a C compiler that builds the kernel: :mod:`~taps_ray.models.native`; the build, once per machine
+    kind, happens here)."""
+    from taps_ray.models.native import KernelBuildError, compiler, q4q8_library
 
     if device.type != "cpu":
         return f"q4q8 weights run on a CPU kernel only (device {device.type}); use target.weights=dense"
@@ -218,6 +219,10 @@ def q4q8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
                 f"{str(dtype).removeprefix('torch.')}); use target.weights=dense")
     if compiler() is None:
         return "q4q8 weights build their kernel with a C compiler (cc or $CC), and there is none here"
+    try:
+        q4q8_library()
+    except KernelBuildError as err:
+        return f"the q4q8 kernel does not build here: {str(err).splitlines()[0]}"
     return None
 
 

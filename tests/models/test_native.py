@@ -108,6 +108,27 @@ def test_a_weight_changed_after_packing_is_an_error(weight):
         linear(torch.randn(1, 160))
 
 
+def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_a_failing_one_is_refused(monkeypatch, tmp_path):
+    """A compiler that rejects -fopenmp (clang without libomp) still builds the kernel, single-threaded; one that
+    builds nothing makes q4q8 unsupported with the compiler's words, so ``auto`` falls back to int4."""
+    real = native.compiler()
+    wrapper = tmp_path / "cc-no-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && echo "unsupported: -fopenmp" >&2 && exit 1; done\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "_library", None)
+    assert native.q4q8_kernel() in ("avx512-vnni", "avx2", "portable")
+    broken = tmp_path / "cc-broken"
+    broken.write_text('#!/bin/sh\necho "fatal: nothing builds here" >&2\nexit 1\n')
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(native, "_library", None)
+    assert "does not build here" in q4q8_unsupported(torch.device("cpu"), torch.bfloat16)
+
+
 def test_without_a_compiler_q4q8_is_refused_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(native, "_library", None)
