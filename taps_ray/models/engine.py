@@ -34,14 +34,17 @@ import torch.nn.functional as F
 from taps_ray.models.compiled import CompiledSteps, compile_support
 from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.quant import (
+    GROUP,
     HalfLinear,
     Int4Linear,
     Int4Weight,
     LinearForward,
     Q4Q8Linear,
+    Q8Q8Linear,
     half_rows,
     install_forwards,
     quantize_rtn,
+    tensor_identity,
 )
 from taps_ray.models.target_cache import KVCache, Segment
 
@@ -222,7 +225,7 @@ class StaticEngine:
         self.layers = [self._layer(layer, window) for layer, window in zip(base.layers, windows)]
         self._final_norm = RMSNorm(base.norm, self.dtype)
         self._codes = {}
-        self._head: Linear | None = None
+        self._head: Linear | HalfLinear | Q8Q8Linear | None = None
         self.int4_rows_pinned = False  # int4_max_rows set by target.int4_max_rows: not calibrated
         self.int4_rows_calibrated: dict | None = None  # the key int4_max_rows was measured under (spec/calibrate.py)
         self.graphs: StepGraphs | None = None
@@ -294,18 +297,26 @@ class StaticEngine:
 
     def head(self, head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` [.., V] for the LM head module ``head`` and ``hidden`` [.., H], as a :class:`Linear`
-        (prepacked once, again whenever the head is replaced or changed; fp16 weights: a :class:`HalfLinear`)."""
-        if self._head is None or self._head.weight is not head.weight:
-            self._head = (HalfLinear(head.weight, head.bias) if self.weights == "fp16"
-                          else Linear(head.weight, head.bias, self.packed))
+        (prepacked once, again whenever the head is replaced or changed; fp16 weights: a :class:`HalfLinear`; q4q8
+        weights: int8 codes times int8 activations, a :class:`~taps_ray.models.quant.Q8Q8Linear`)."""
+        stale = isinstance(self._head, Q8Q8Linear) and tensor_identity(head.weight) != self._head.key
+        if self._head is None or self._head.weight is not head.weight or stale:
+            if self.weights == "fp16":
+                self._head = HalfLinear(head.weight, head.bias)
+            elif self.weights == "q4q8" and head.weight.shape[0] % 16 == 0 and head.weight.shape[1] % GROUP == 0:
+                self._head = Q8Q8Linear(head.weight, head.bias)
+            else:
+                self._head = Linear(head.weight, head.bias, self.packed)
         return self._head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
 
     def step_tensors(self, head: torch.nn.Linear) -> list[torch.Tensor]:
         """Every tensor a plain step reads in full, in the format the products read them (int4: the packed
         codes and their scales; fp16: half-precision tensors of the packed copies' size), the LM head ``head``'s
         weight included: what the weight-read floor reads."""
-        tensors = [*self.base.norm.parameters(),
-                   head.weight.detach().half() if self.weights == "fp16" else head.weight]
+        head_read = head.weight.detach().half() if self.weights == "fp16" else head.weight
+        if self.weights == "q4q8" and isinstance(self._head, Q8Q8Linear) and self._head.weight is head.weight:
+            head_read = self._head.packed
+        tensors = [*self.base.norm.parameters(), head_read]
         for layer in self.layers:
             tensors += [*layer.norm_in.parameters(), *layer.norm_post.parameters()]
             for product in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):

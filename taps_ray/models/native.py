@@ -1,4 +1,5 @@
-"""The C kernel of ``target.weights: q4q8`` (``q4q8.c``): built at first use, loaded through ctypes.
+"""The C kernels of ``target.weights: q4q8`` (``q4q8.c``: the layers' Q4_1 x Q8_1 and the LM head's Q8_0 x Q8_1
+products): built at first use, loaded through ctypes.
 
 The source ships with the package. :func:`q4q8_library` compiles it once per machine kind with the system C
 compiler (``cc -O3 -march=native -fopenmp``: about a second) into ``TAPS_CACHE/kernels/``, named by a hash of the
@@ -110,8 +111,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.taps_q4q8_packed_bytes.argtypes, lib.taps_q4q8_packed_bytes.restype = [size, size], size
     lib.taps_q4q8_pack.argtypes = [pointer, pointer, pointer, size, size, pointer]
     lib.taps_q4q8_pack.restype = None
-    lib.taps_q4q8_matmul.argtypes = [pointer, flag, size, size, pointer, pointer, size, pointer, flag, pointer, flag]
-    lib.taps_q4q8_matmul.restype = None
+    lib.taps_q8q8_packed_bytes.argtypes, lib.taps_q8q8_packed_bytes.restype = [size, size], size
+    lib.taps_q8q8_pack.argtypes = [pointer, pointer, size, size, pointer]
+    lib.taps_q8q8_pack.restype = None
+    for product in (lib.taps_q4q8_matmul, lib.taps_q8q8_matmul):
+        product.argtypes = [pointer, flag, size, size, pointer, pointer, size, pointer, flag, pointer, flag]
+        product.restype = None
     return lib
 
 
@@ -132,14 +137,27 @@ def pack_q4q8(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -
     return out
 
 
-def q4q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] (float32 or bfloat16, contiguous) times the packed weight of ``n`` outputs (+ ``bias`` [n]
-    float32): [M, n] in ``x``'s dtype."""
+def pack_q8q8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's packed Q8_0 weight (uint8) of ``codes`` [N, K] (int8, -127..127) and ``scale`` [N, K / 32]
+    (stored in fp16)."""
     lib = q4q8_library()
+    n, k = codes.shape
+    out = torch.empty(lib.taps_q8q8_packed_bytes(n, k), dtype=torch.uint8)
+    codes, scale_half = codes.to(torch.int8).contiguous(), scale.half().contiguous()
+    lib.taps_q8q8_pack(codes.data_ptr(), scale_half.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def q4q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                codes: str = "q4") -> torch.Tensor:
+    """``x`` [M, K] (float32 or bfloat16, contiguous) times the packed weight of ``n`` outputs (``codes``: ``q4``,
+    from :func:`pack_q4q8`, or ``q8``, from :func:`pack_q8q8`; + ``bias`` [n] float32): [M, n] in ``x``'s dtype."""
+    lib = q4q8_library()
+    product = lib.taps_q4q8_matmul if codes == "q4" else lib.taps_q8q8_matmul
     m, k = x.shape
     out = torch.empty(m, n, dtype=x.dtype)
     work = torch.empty(m * k + 16 + 8 * m * (k // 32), dtype=torch.uint8)
     bf16 = int(x.dtype == torch.bfloat16)
-    lib.taps_q4q8_matmul(x.data_ptr(), bf16, m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                         out.data_ptr(), bf16, work.data_ptr(), torch.get_num_threads())
+    product(x.data_ptr(), bf16, m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n, out.data_ptr(),
+            bf16, work.data_ptr(), torch.get_num_threads())
     return out

@@ -287,3 +287,135 @@ void taps_q4q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
         }
     }
 }
+
+/* ---- Q8_0 x Q8_0: W[n, k] = dw[n, g] * code, codes -127..127 (GGUF's Q8_0 blocks; the embedded target's tied
+ * LM head). Packed per tile of 16 outputs and per group: 512 bytes of codes (bytes 64 s + 4 i + j: column
+ * 4 s + j of output n0 + i, s < 8), 16 fp16 scales and 16 int16 sums of the group's codes. The AVX-512 loop
+ * multiplies unsigned activations (xq + 128) and corrects by 128 x the code sum; the AVX2 loop multiplies |code|
+ * by xq with the code's sign: both integer sums are exact, so every build gives the same bits. */
+#define TILE8_BYTES (GROUP * TILE + 2 * TILE * 2)
+
+int64_t taps_q8q8_packed_bytes(int64_t N, int64_t K) { return (N / TILE) * (K / GROUP) * TILE8_BYTES; }
+
+void taps_q8q8_pack(const int8_t *codes, const uint16_t *scale_half, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t groups = K / GROUP;
+    for (int64_t tile = 0; tile < N / TILE; tile++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *p = out + (tile * groups + g) * TILE8_BYTES;
+            uint16_t *halves = (uint16_t *)(p + GROUP * TILE);
+            int16_t *sums = (int16_t *)(p + GROUP * TILE + 2 * TILE);
+            for (int i = 0; i < TILE; i++) {
+                const int8_t *row = codes + (tile * TILE + i) * K + g * GROUP;
+                int sum = 0;
+                for (int s = 0; s < 8; s++)
+                    for (int j = 0; j < 4; j++) {
+                        p[64 * s + 4 * i + j] = (uint8_t)row[4 * s + j];
+                        sum += row[4 * s + j];
+                    }
+                halves[i] = scale_half[(tile * TILE + i) * groups + g];
+                sums[i] = (int16_t)sum;
+            }
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+INLINE void tile8_rows(const uint8_t *tile, int64_t groups, const int8_t *xq, const float *dx, int64_t K, int rows,
+                       __m512 acc[ROWS]) {
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = tile + g * TILE8_BYTES;
+        __m512i v[8];
+        for (int s = 0; s < 8; s++) v[s] = _mm512_loadu_si512((const void *)(p + 64 * s));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + GROUP * TILE)));
+        const __m512i offset = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(p + GROUP * TILE + 2 * TILE))), 7);
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xr = (const int32_t *)(xq + r * K + g * GROUP);
+            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s += 2) {
+                d0 = _mm512_dpbusd_epi32(d0, _mm512_xor_si512(_mm512_set1_epi32(xr[s]), flip), v[s]);
+                d1 = _mm512_dpbusd_epi32(d1, _mm512_xor_si512(_mm512_set1_epi32(xr[s + 1]), flip), v[s + 1]);
+            }
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), offset);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dw), _mm512_set1_ps(dx[r * groups + g]), acc[r]);
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+INLINE void tile8_rows(const uint8_t *tile, int64_t groups, const int8_t *xq, const float *dx, int64_t K, int rows,
+                       __m256 acc[ROWS][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = tile + g * TILE8_BYTES;
+        for (int h = 0; h < 2; h++) {
+            __m256i v[8], mag[8];
+            for (int s = 0; s < 8; s++) {
+                v[s] = _mm256_loadu_si256((const __m256i *)(p + 64 * s + 32 * h));
+                mag[s] = _mm256_abs_epi8(v[s]);
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + GROUP * TILE + 16 * h)));
+            for (int r = 0; r < rows; r++) {
+                const int32_t *xr = (const int32_t *)(xq + r * K + g * GROUP);
+                __m256i dot = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) {
+                    const __m256i pairs = _mm256_maddubs_epi16(mag[s], _mm256_sign_epi8(_mm256_set1_epi32(xr[s]), v[s]));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+                }
+                acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw), _mm256_set1_ps(dx[r * groups + g]),
+                                            acc[r][h]);
+            }
+        }
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] times the packed Q8_0 weight (+ bias), as taps_q4q8_matmul. */
+void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
+                      int64_t N, void *y, int y_bf16, void *work, int threads) {
+    const int64_t groups = K / GROUP;
+    int8_t *xq = (int8_t *)work;
+    float *dx = (float *)(xq + M * K + ((-(M * K)) & 15)), *sx = dx + M * groups;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++)
+            quantize_group(x, x_bf16, m * K + g * GROUP, xq + m * K + g * GROUP, dx + m * groups + g, sx + m * groups + g);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t tile = 0; tile < N / TILE; tile++) {
+        const uint8_t *weights = packed + tile * groups * TILE8_BYTES;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int rows = (int)(M - m0 < ROWS ? M - m0 : ROWS);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+            __m512 acc[ROWS];
+            tile8_rows(weights, groups, xq + m0 * K, dx + m0 * groups, K, rows, acc);
+            for (int r = 0; r < rows; r++) store16(acc[r], bias, tile * TILE, y, y_bf16, (m0 + r) * N + tile * TILE);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            __m256 acc[ROWS][2];
+            tile8_rows(weights, groups, xq + m0 * K, dx + m0 * groups, K, rows, acc);
+            for (int r = 0; r < rows; r++)
+                for (int h = 0; h < 2; h++)
+                    store8(acc[r][h], bias, tile * TILE + 8 * h, y, y_bf16, (m0 + r) * N + tile * TILE + 8 * h);
+#else
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < TILE; i++) {
+                    float acc = 0.0f;
+                    for (int64_t g = 0; g < groups; g++) {
+                        const uint8_t *p = weights + g * TILE8_BYTES;
+                        const uint16_t *halves = (const uint16_t *)(p + GROUP * TILE);
+                        const int8_t *xr = xq + (m0 + r) * K + g * GROUP;
+                        int dot = 0;
+                        for (int s = 0; s < 8; s++)
+                            for (int j = 0; j < 4; j++) dot += (int8_t)p[64 * s + 4 * i + j] * xr[4 * s + j];
+                        acc = fmaf((float)dot * half_to_float(halves[i]), dx[(m0 + r) * groups + g], acc);
+                    }
+                    const int64_t n = tile * TILE + i;
+                    const float v = bias ? acc + bias[n] : acc;
+                    if (y_bf16)
+                        ((uint16_t *)y)[(m0 + r) * N + n] = float_to_bf16(v);
+                    else
+                        ((float *)y)[(m0 + r) * N + n] = v;
+                }
+#endif
+        }
+    }
+}

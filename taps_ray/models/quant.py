@@ -41,6 +41,7 @@ LAYER_PROJECTIONS = {  # GGUF block tensor -> the HF module path inside a decode
     "ffn_down": "mlp.down_proj",
 }
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
+INT8_LEVELS = 127.0
 
 
 @dataclass
@@ -314,6 +315,36 @@ class Q4Q8Linear:
 
         self.check()
         return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias)
+
+
+class Q8Q8Linear:
+    """``x [T, K] -> x @ W.T + bias`` [T, N] on int8 codes of ``weight`` [N, K] (round-to-nearest per group of 32,
+    one fp16 scale each: GGUF's Q8_0, the embedded target's own head format) times activations quantized to int8
+    per group of 32 (:mod:`~taps_ray.models.native`): the LM head of a q4q8 engine, half the bytes of a bf16 head
+    and, like the layers, each row computed alone. ``weight``: the dense parameter; a change to it after packing
+    is an error."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        from taps_ray.models.native import pack_q8q8
+
+        n, k = weight.shape
+        if k % GROUP or n % 16:
+            raise ValueError(f"q8q8 weights need input features in multiples of {GROUP} and output features in "
+                             f"multiples of 16, got {n}x{k}")
+        groups = weight.detach().float().cpu().reshape(n, k // GROUP, GROUP)
+        scale = (groups.abs().amax(-1) / INT8_LEVELS).half()  # [N, G]
+        step = scale.float().unsqueeze(-1)
+        codes = torch.where(step > 0, groups / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-127, 127)
+        self.packed = pack_q8q8(codes.to(torch.int8).reshape(n, k), scale)
+        self.out_features = n
+        self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
+        self.key = tensor_identity(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from taps_ray.models.native import q4q8_matmul
+
+        check_unchanged(self.weight, self.key, "q8q8")
+        return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias, codes="q8")
 
 
 class HalfLinear:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from taps_ray.models import native
-from taps_ray.models.quant import GROUP, Int4Weight, Q4Q8Linear, q4q8_unsupported, quantize_rtn
+from taps_ray.models.quant import GROUP, Int4Weight, Q4Q8Linear, Q8Q8Linear, q4q8_unsupported, quantize_rtn
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler: q4q8 is refused (tested below)")
 
@@ -93,6 +93,37 @@ def test_every_build_computes_the_same_bits(weight, tmp_path, monkeypatch):
         linear = Q4Q8Linear(weight, bias, torch.zeros(1))
         assert all(torch.equal(linear(x.to(ref.dtype)), ref) for ref in reference), kernel
     assert len(list((tmp_path / "kernels").glob("q4q8-*.so"))) == len(builds)
+
+
+def test_the_head_product_is_q8_0_times_q8_1_in_every_build(tmp_path, monkeypatch):
+    """Q8Q8Linear (a q4q8 engine's LM head): round-to-nearest int8 codes per group of 32 with an fp16 scale, times
+    the activations' int8 codes; emulated in float64, alone per row, and the same bits from every build."""
+    torch.manual_seed(1)
+    dense = torch.randn(64, 96) * 0.1
+    dense[3, :32] = 0.0  # a group of zero weights: scale 0, no NaN
+    bias = torch.randn(64)
+    x = torch.randn(7, 96) * torch.linspace(0.1, 3.0, 96)
+    head = Q8Q8Linear(dense, bias)
+    got = head(x).double()
+    groups = dense.reshape(64, 3, GROUP)
+    scale = (groups.abs().amax(-1) / 127).half().double()
+    codes = torch.where(scale[..., None] > 0, groups.double() / scale[..., None].clamp(min=1e-30), 0.0).round()
+    xg = x.reshape(7, 3, GROUP).double()
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.round(xg.float() * torch.where(amax > 0, 127.0 / amax, 0.0).float()).double()
+    expected = (torch.einsum("mgj,ngj->mng", xq, codes) * scale[None] * (amax[..., 0] / 127)[:, None]).sum(-1)
+    expected = expected + bias.double()
+    assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(7)]), head(x))
+    flags = set(native._cpu_flags().split())
+    monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
+    for march, kernel in {"x86-64": "portable", "haswell": "avx2"}.items():
+        if kernel == "avx2" and not {"avx2", "fma", "f16c"} <= flags:
+            continue
+        monkeypatch.setenv(native.MARCH_ENV, march)
+        monkeypatch.setattr(native, "_library", None)
+        assert native.q4q8_kernel() == kernel
+        assert torch.equal(Q8Q8Linear(dense, bias)(x), got.float()), kernel
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused():
