@@ -224,70 +224,6 @@ void taps_q4q8_pack(const uint8_t *codes, const uint16_t *scale_half, const uint
         }
 }
 
-/* y[M, N] = x[M, K] times the packed weight (+ bias [N] float32, or NULL). x_bf16 / y_bf16: bfloat16 (else
- * float32). work: M * K bytes + 2 * M * K / 32 floats of scratch. threads: OpenMP threads over the tiles. */
-void taps_q4q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
-                      int64_t N, void *y, int y_bf16, void *work, int threads) {
-    const int64_t groups = K / GROUP;
-    int8_t *xq = (int8_t *)work;
-    float *dx = (float *)(xq + M * K + ((-(M * K)) & 15)), *sx = dx + M * groups;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < groups; g++)
-            quantize_group(x, x_bf16, m * K + g * GROUP, xq + m * K + g * GROUP, dx + m * groups + g, sx + m * groups + g);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t tile = 0; tile < N / TILE; tile++) {
-        const uint8_t *weights = packed + tile * groups * TILE_BYTES;
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int rows = (int)(M - m0 < ROWS ? M - m0 : ROWS);
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-            __m512 acc[ROWS];
-            tile_rows(weights, groups, xq + m0 * K, dx + m0 * groups, sx + m0 * groups, K, rows, acc);
-            for (int r = 0; r < rows; r++) store16(acc[r], bias, tile * TILE, y, y_bf16, (m0 + r) * N + tile * TILE);
-            continue;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-            __m256 acc[ROWS][2];
-            tile_rows(weights, groups, xq + m0 * K, dx + m0 * groups, sx + m0 * groups, K, rows, acc);
-            for (int r = 0; r < rows; r++)
-                for (int h = 0; h < 2; h++)
-                    store8(acc[r][h], bias, tile * TILE + 8 * h, y, y_bf16, (m0 + r) * N + tile * TILE + 8 * h);
-            continue;
-#else
-            float out[ROWS][TILE];
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < TILE; i++) {
-                    float acc = 0.0f;
-                    for (int64_t g = 0; g < groups; g++) {
-                        const uint8_t *p = weights + g * TILE_BYTES;
-                        const uint16_t *halves = (const uint16_t *)(p + GROUP * TILE / 2);
-                        const int8_t *xr = xq + (m0 + r) * K + g * GROUP;
-                        int dot = 0;
-                        for (int t = 0; t < 4; t++)
-                            for (int j = 0; j < 4; j++) {
-                                const uint8_t b = p[64 * t + 4 * i + j];
-                                dot += (b & 0x0f) * xr[4 * t + j] + (b >> 4) * xr[4 * (t + 4) + j];
-                            }
-                        const int64_t at = (m0 + r) * groups + g;
-                        acc = fmaf((float)dot * half_to_float(halves[i]), dx[at], acc);
-                        acc = fmaf(half_to_float(halves[TILE + i]), sx[at], acc);
-                    }
-                    out[r][i] = acc;
-                }
-#endif
-#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < TILE; i++) {
-                    const int64_t n = tile * TILE + i;
-                    const float v = bias ? out[r][i] + bias[n] : out[r][i];
-                    if (y_bf16)
-                        ((uint16_t *)y)[(m0 + r) * N + n] = float_to_bf16(v);
-                    else
-                        ((float *)y)[(m0 + r) * N + n] = v;
-                }
-#endif
-        }
-    }
-}
-
 /* ---- Q8_0 x Q8_0: W[n, k] = dw[n, g] * code, codes -127..127 (GGUF's Q8_0 blocks; the embedded target's tied
  * LM head). Packed per tile of 16 outputs and per group: 512 bytes of codes (bytes 64 s + 4 i + j: column
  * 4 s + j of output n0 + i, s < 8), 16 fp16 scales and 16 int16 sums of the group's codes. The AVX-512 loop
@@ -371,10 +307,30 @@ INLINE void tile8_rows(const uint8_t *tile, int64_t groups, const int8_t *xq, co
 }
 #endif
 
-/* y[M, N] = x[M, K] times the packed Q8_0 weight (+ bias), as taps_q4q8_matmul. */
-void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
-                      int64_t N, void *y, int y_bf16, void *work, int threads) {
-    const int64_t groups = K / GROUP;
+/* One row's group of the portable loop: codes . xq, Q4_1 (q8 = 0) or Q8_0 (q8 = 1), and its contribution. */
+static float portable_group(const uint8_t *p, int q8, int i, const int8_t *xr, float dx, float sx, float acc) {
+    int dot = 0;
+    if (q8) {
+        for (int s = 0; s < 8; s++)
+            for (int j = 0; j < 4; j++) dot += (int8_t)p[64 * s + 4 * i + j] * xr[4 * s + j];
+        return fmaf((float)dot * half_to_float(((const uint16_t *)(p + GROUP * TILE))[i]), dx, acc);
+    }
+    for (int t = 0; t < 4; t++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t b = p[64 * t + 4 * i + j];
+            dot += (b & 0x0f) * xr[4 * t + j] + (b >> 4) * xr[4 * (t + 4) + j];
+        }
+    const uint16_t *halves = (const uint16_t *)(p + GROUP * TILE / 2);
+    acc = fmaf((float)dot * half_to_float(halves[i]), dx, acc);
+    return fmaf(half_to_float(halves[TILE + i]), sx, acc);
+}
+
+/* y[M, N] = x[M, K] times a packed weight: Q4_1 codes (q8 = 0, taps_q4q8_pack) or Q8_0 (q8 = 1, taps_q8q8_pack),
+ * + bias [N] float32, or NULL. x_bf16 / y_bf16: bfloat16 (else float32). work: M * K bytes + 2 * M * K / 32 floats
+ * of scratch. threads: OpenMP threads over the tiles. */
+static void matmul(int q8, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
+                   int64_t N, void *y, int y_bf16, void *work, int threads) {
+    const int64_t groups = K / GROUP, tile_bytes = q8 ? TILE8_BYTES : TILE_BYTES;
     int8_t *xq = (int8_t *)work;
     float *dx = (float *)(xq + M * K + ((-(M * K)) & 15)), *sx = dx + M * groups;
     for (int64_t m = 0; m < M; m++)
@@ -382,16 +338,24 @@ void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
             quantize_group(x, x_bf16, m * K + g * GROUP, xq + m * K + g * GROUP, dx + m * groups + g, sx + m * groups + g);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t tile = 0; tile < N / TILE; tile++) {
-        const uint8_t *weights = packed + tile * groups * TILE8_BYTES;
+        const uint8_t *weights = packed + tile * groups * tile_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int rows = (int)(M - m0 < ROWS ? M - m0 : ROWS);
+            const int8_t *xr = xq + m0 * K;
+            const float *dr = dx + m0 * groups, *sr = sx + m0 * groups;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
             __m512 acc[ROWS];
-            tile8_rows(weights, groups, xq + m0 * K, dx + m0 * groups, K, rows, acc);
+            if (q8)
+                tile8_rows(weights, groups, xr, dr, K, rows, acc);
+            else
+                tile_rows(weights, groups, xr, dr, sr, K, rows, acc);
             for (int r = 0; r < rows; r++) store16(acc[r], bias, tile * TILE, y, y_bf16, (m0 + r) * N + tile * TILE);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
             __m256 acc[ROWS][2];
-            tile8_rows(weights, groups, xq + m0 * K, dx + m0 * groups, K, rows, acc);
+            if (q8)
+                tile8_rows(weights, groups, xr, dr, K, rows, acc);
+            else
+                tile_rows(weights, groups, xr, dr, sr, K, rows, acc);
             for (int r = 0; r < rows; r++)
                 for (int h = 0; h < 2; h++)
                     store8(acc[r][h], bias, tile * TILE + 8 * h, y, y_bf16, (m0 + r) * N + tile * TILE + 8 * h);
@@ -399,15 +363,9 @@ void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
             for (int r = 0; r < rows; r++)
                 for (int i = 0; i < TILE; i++) {
                     float acc = 0.0f;
-                    for (int64_t g = 0; g < groups; g++) {
-                        const uint8_t *p = weights + g * TILE8_BYTES;
-                        const uint16_t *halves = (const uint16_t *)(p + GROUP * TILE);
-                        const int8_t *xr = xq + (m0 + r) * K + g * GROUP;
-                        int dot = 0;
-                        for (int s = 0; s < 8; s++)
-                            for (int j = 0; j < 4; j++) dot += (int8_t)p[64 * s + 4 * i + j] * xr[4 * s + j];
-                        acc = fmaf((float)dot * half_to_float(halves[i]), dx[(m0 + r) * groups + g], acc);
-                    }
+                    for (int64_t g = 0; g < groups; g++)
+                        acc = portable_group(weights + g * tile_bytes, q8, i, xr + r * K + g * GROUP, dr[r * groups + g],
+                                             sr[r * groups + g], acc);
                     const int64_t n = tile * TILE + i;
                     const float v = bias ? acc + bias[n] : acc;
                     if (y_bf16)
@@ -418,4 +376,14 @@ void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 #endif
         }
     }
+}
+
+void taps_q4q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
+                      int64_t N, void *y, int y_bf16, void *work, int threads) {
+    matmul(0, x, x_bf16, M, K, packed, bias, N, y, y_bf16, work, threads);
+}
+
+void taps_q8q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *packed, const float *bias,
+                      int64_t N, void *y, int y_bf16, void *work, int threads) {
+    matmul(1, x, x_bf16, M, K, packed, bias, N, y, y_bf16, work, threads);
 }
