@@ -9,7 +9,7 @@ import torch
 from taps_ray.models import native
 from taps_ray.models.quant import GROUP, Int4Weight, Q4Q8Linear, Q8Q8Linear, q4q8_unsupported, quantize_rtn
 
-pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler: q4q8 is refused (tested below)")
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler: q4q8 is refused (tested below)")
 
 
 def emulated(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -34,6 +34,7 @@ def weight() -> Int4Weight:
     return quantize_rtn(torch.randn(96, 160) * 0.05)
 
 
+@needs_cc
 def test_the_kernel_builds_once_into_the_cache_and_names_its_build(tmp_path, monkeypatch):
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_library", None)
@@ -46,6 +47,7 @@ def test_the_kernel_builds_once_into_the_cache_and_names_its_build(tmp_path, mon
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("q4q8-*.so")] == [stamp]
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_product_is_q4_1_times_q8_1(weight, dtype):
     x = (torch.randn(7, 160) * torch.linspace(0.1, 3.0, 160)).to(dtype)
@@ -61,6 +63,7 @@ def test_the_product_is_q4_1_times_q8_1(weight, dtype):
     assert got.dtype == torch.float64 and linear(x).dtype == dtype
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(weight, dtype):
     linear = Q4Q8Linear(weight, None, torch.zeros(1))
@@ -76,6 +79,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(weig
         torch.set_num_threads(before)
 
 
+@needs_cc
 def test_every_build_computes_the_same_bits(weight, tmp_path, monkeypatch):
     """The AVX-512 VNNI, AVX2 and portable loops round alike: each kind of machine gets one answer (the AVX2 kind
     runs the AVX2 build; this machine checks every build its CPU can run, built as $TAPS_KERNEL_MARCH says)."""
@@ -95,6 +99,7 @@ def test_every_build_computes_the_same_bits(weight, tmp_path, monkeypatch):
     assert len(list((tmp_path / "kernels").glob("q4q8-*.so"))) == len(builds)
 
 
+@needs_cc
 def test_the_head_product_is_q8_0_times_q8_1_in_every_build(tmp_path, monkeypatch):
     """Q8Q8Linear (a q4q8 engine's LM head): round-to-nearest int8 codes per group of 32 with an fp16 scale, times
     the activations' int8 codes; emulated in float64, alone per row, and the same bits from every build."""
@@ -131,6 +136,7 @@ def test_shapes_the_kernel_cannot_tile_are_refused():
         Q4Q8Linear(quantize_rtn(torch.randn(40, 64)), None, torch.zeros(1))
 
 
+@needs_cc
 def test_a_weight_changed_after_packing_is_an_error(weight):
     source = torch.zeros(3)
     linear = Q4Q8Linear(weight, None, source)
@@ -139,6 +145,7 @@ def test_a_weight_changed_after_packing_is_an_error(weight):
         linear(torch.randn(1, 160))
 
 
+@needs_cc
 def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_a_failing_one_is_refused(monkeypatch, tmp_path):
     """A compiler that rejects -fopenmp (clang without libomp) still builds the kernel, single-threaded; one that
     builds nothing makes q4q8 unsupported with the compiler's words, so ``auto`` falls back to int4."""
