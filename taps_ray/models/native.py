@@ -152,7 +152,7 @@ def q4q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
                 codes: str = "q4") -> torch.Tensor:
     """``x`` [M, K] (float32 or bfloat16, contiguous) times the packed weight of ``n`` outputs (``codes``: ``q4``,
     from :func:`pack_q4q8`, or ``q8``, from :func:`pack_q8q8`; + ``bias`` [n] float32): [M, n] in ``x``'s dtype."""
-    lib = q4q8_library()
+    lib = _library or q4q8_library()  # loaded once: no lock on the decoding path
     product = lib.taps_q4q8_matmul if codes == "q4" else lib.taps_q8q8_matmul
     m, k = x.shape
     out = torch.empty(m, n, dtype=x.dtype)

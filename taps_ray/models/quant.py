@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from taps_ray.models.native import KernelBuildError, compiler, pack_q4q8, pack_q8q8, q4q8_library, q4q8_matmul
+
 GROUP = 32
 WEIGHT_FORMATS = ("auto", "dense", "int4", "fp16", "q4q8")
 HALF_PROBE_ROWS = 256
@@ -211,8 +213,6 @@ def q4q8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why q4q8 products cannot run on ``device`` in ``dtype``, or None when they can (a CPU, float32 or bfloat16
     activations, a C compiler that builds the kernel: :mod:`~taps_ray.models.native`; the build, once per machine
     kind, happens here)."""
-    from taps_ray.models.native import KernelBuildError, compiler, q4q8_library
-
     if device.type != "cpu":
         return f"q4q8 weights run on a CPU kernel only (device {device.type}); use target.weights=dense"
     if dtype not in (torch.float32, torch.bfloat16):
@@ -288,63 +288,56 @@ class Int4Linear:
         return out if self.bias is None else out + self.bias
 
 
-class Q4Q8Linear:
-    """``x [T, K] -> x @ W.T + bias`` [T, N] in ``x``'s dtype (float32 or bfloat16) for an :class:`Int4Weight`, each
-    row of ``x`` quantized to int8 per group of 32 on the fly (GGUF's Q4_1 x Q8_1 arithmetic, the C kernel of
-    :mod:`~taps_ray.models.native`). A row's result does not depend on the other rows of its step. ``source``:
-    the dense parameter the codes were made from; a change to it after packing is an error."""
+class _Int8ActivationProduct:
+    """``x [T, K] -> x @ W.T + bias`` [T, N] in ``x``'s dtype (float32 or bfloat16) on a weight packed for the C
+    kernel of :mod:`~taps_ray.models.native` (``codes``: ``q4`` or ``q8``), each row of ``x`` quantized to int8 per
+    group of 32 on the fly; a row's result does not depend on the other rows of its step. ``weight``: the dense
+    parameter the codes were made from (``key``: its identity then); a change to it after packing is an error."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, source: torch.Tensor):
-        from taps_ray.models.native import pack_q4q8
+    codes = "q4"
 
-        n, k = weight.codes.shape
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor, out_features: int):
+        self.packed, self.out_features = packed, out_features
+        self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
+        self.key = tensor_identity(weight)
+
+    @staticmethod
+    def check_shape(n: int, k: int, name: str) -> None:
+        """ValueError unless the kernel can tile an [n, k] weight."""
         if k % GROUP or n % 16:
-            raise ValueError(f"q4q8 weights need input features in multiples of {GROUP} and output features in "
+            raise ValueError(f"{name} weights need input features in multiples of {GROUP} and output features in "
                              f"multiples of 16, got {n}x{k}")
-        self.packed = pack_q4q8(weight.codes, weight.scale, weight.minimum)
-        self.out_features = n
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.source, self._key = source, tensor_identity(source)
-
-    def check(self) -> None:
-        """RuntimeError if the dense parameter changed after its codes were packed."""
-        check_unchanged(self.source, self._key, "q4q8")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from taps_ray.models.native import q4q8_matmul
-
-        self.check()
-        return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias)
+        check_unchanged(self.weight, self.key, "q4q8" if self.codes == "q4" else "q8q8")
+        return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias, codes=self.codes)
 
 
-class Q8Q8Linear:
-    """``x [T, K] -> x @ W.T + bias`` [T, N] on int8 codes of ``weight`` [N, K] (round-to-nearest per group of 32,
-    one fp16 scale each: GGUF's Q8_0, the embedded target's own head format) times activations quantized to int8
-    per group of 32 (:mod:`~taps_ray.models.native`): the LM head of a q4q8 engine, half the bytes of a bf16 head
-    and, like the layers, each row computed alone. ``weight``: the dense parameter; a change to it after packing
-    is an error."""
+class Q4Q8Linear(_Int8ActivationProduct):
+    """The product of an :class:`Int4Weight` (GGUF's Q4_1 x Q8_1 arithmetic): a q4q8 engine's layer products.
+    ``source``: the dense parameter the codes were made from."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, source: torch.Tensor):
+        n, k = weight.codes.shape
+        self.check_shape(n, k, "q4q8")
+        super().__init__(source, bias, pack_q4q8(weight.codes, weight.scale, weight.minimum), n)
+
+
+class Q8Q8Linear(_Int8ActivationProduct):
+    """The product of int8 codes of ``weight`` [N, K] (round-to-nearest per group of 32, one fp16 scale each:
+    GGUF's Q8_0, the format the embedded GGUF stores its tied head in): the LM head of a q4q8 engine, half the bytes
+    of a bf16 head."""
+
+    codes = "q8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        from taps_ray.models.native import pack_q8q8
-
         n, k = weight.shape
-        if k % GROUP or n % 16:
-            raise ValueError(f"q8q8 weights need input features in multiples of {GROUP} and output features in "
-                             f"multiples of 16, got {n}x{k}")
+        self.check_shape(n, k, "q8q8")
         groups = weight.detach().float().cpu().reshape(n, k // GROUP, GROUP)
         scale = (groups.abs().amax(-1) / INT8_LEVELS).half()  # [N, G]
         step = scale.float().unsqueeze(-1)
         codes = torch.where(step > 0, groups / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-127, 127)
-        self.packed = pack_q8q8(codes.to(torch.int8).reshape(n, k), scale)
-        self.out_features = n
-        self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
-        self.key = tensor_identity(weight)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from taps_ray.models.native import q4q8_matmul
-
-        check_unchanged(self.weight, self.key, "q8q8")
-        return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias, codes="q8")
+        super().__init__(weight, bias, pack_q8q8(codes.to(torch.int8).reshape(n, k), scale), n)
 
 
 class HalfLinear:
