@@ -428,6 +428,28 @@ def read_linears_in_half(module: torch.nn.Module) -> None:
     install_forwards(module, HalfLinearForward)
 
 
+class Q8LinearForward(LinearForward):
+    """On a CPU float32 or bfloat16 input of the weight's dtype, whose shape the kernel tiles, the product of a
+    :class:`Q8Q8Linear` (int8 codes of the weight per group of 32 times int8 activations)."""
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        n, k = weight.shape
+        return (x.dtype == weight.dtype and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+                and k % GROUP == 0 and n % 16 == 0)
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Q8Q8Linear:
+        return Q8Q8Linear(weight.detach(), bias)
+
+
+def read_linears_in_q8(module: torch.nn.Module) -> None:
+    """Make every ``nn.Linear`` of ``module`` (a drafter) compute, outside autograd, on Q8_0 codes of its weight
+    times int8 activations (:class:`Q8LinearForward`); idempotent. For a q4q8 target: a drafter's eight products at
+    1-9 rows, read after a target step, take 0.23-0.47 ms against 0.50-0.90 ms through oneDNN's packed bf16
+    product (docs/BENCHMARKS.md, "thirty-fifth session"). The codes change what is drafted, never what is
+    accepted."""
+    install_forwards(module, Q8LinearForward)
+
+
 _row_counts: dict[int, list[int]] = {}
 
 

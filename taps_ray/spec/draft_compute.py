@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import Linear, can_pack
-from taps_ray.models.quant import GROUP, HalfLinear, Int4Linear, quantize_rtn
+from taps_ray.models.quant import GROUP, HalfLinear, Int4Linear, Q4Q8Linear, quantize_rtn
 
 
 class DraftCompute:
@@ -38,6 +38,7 @@ DIRECT = DraftCompute()
 
 INT4_HEAD_ROWS = 4
 INT4_ROW_MULTIPLE = 16
+KINDS = ("int4", "q4q8", "packed", "half", "dense")
 
 
 class DraftHeadProduct:
@@ -48,37 +49,43 @@ class DraftHeadProduct:
       int4 on CPU; run in chunks of at most :data:`INT4_HEAD_ROWS` rows. Decoding reads the head right after a
       target step has pushed it out of the CPU's caches; read so, an 8192-row draft vocabulary took 0.34 / 0.48 ms
       at 1 / 3 rows as int4 codes against 0.86 / 0.79 ms packed (docs/BENCHMARKS.md, "thirty-second session");
+    - ``q4q8``: the same 4-bit codes times activations quantized to int8 per group of 32 (the C kernel of a q4q8
+      target, :class:`~taps_ray.models.quant.Q4Q8Linear`): 0.16 / 0.29 ms at 1 / 3 rows read after a flush of the
+      caches, 0.05 / 0.07 ms warm, against int4's 0.32 / 0.35 and 0.15 / 0.21 ms (docs/BENCHMARKS.md,
+      "thirty-fifth session");
     - ``packed``: oneDNN's product on a prepacked copy (:class:`~taps_ray.models.engine.Linear`), where the engine
       packs its own products (CPU float32, or bf16 with native bf16): 1.8-2.4x a bf16 ``mm`` at 1-8 rows;
     - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16``;
     - ``dense``: ``rows @ hidden^T``.
 
     The head only proposes: a format changes which tokens are drafted, never which are accepted. ``int4``,
-    ``packed`` and ``half`` compute each row apart from the others in the call, so rows batched with other
+    ``q4q8``, ``packed`` and ``half`` compute each row apart from the others in the call, so rows batched with other
     sessions' rows equal the rows drafted alone; ``dense`` leaves that to the BLAS (float32 ``mm`` on CPU sums a
     lone row in another order).
     """
 
     def __init__(self, rows: torch.Tensor, kind: str):
-        if kind not in ("int4", "packed", "half", "dense"):
-            raise ValueError(f"draft head kind must be int4, packed, half or dense, got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"draft head kind must be {', '.join(KINDS[:-1])} or {KINDS[-1]}, got {kind!r}")
         if rows.is_inference():  # gathered under inference mode: the products track their weight's version
             with torch.inference_mode(False):
                 rows = rows.clone()
-        if kind == "int4" and rows.shape[1] % GROUP:
+        if kind in ("int4", "q4q8") and rows.shape[1] % GROUP:
             kind = "packed" if can_pack(rows.device, rows.dtype) else "dense"
         self.rows, self.kind = rows, kind
-        self._product: Linear | Int4Linear | HalfLinear | None = None
+        self._product: Linear | Int4Linear | Q4Q8Linear | HalfLinear | None = None
 
     def __getstate__(self) -> dict:
         """Pickles and copies without the packed product (made again on first use)."""
         return {"rows": self.rows, "kind": self.kind, "_product": None}
 
-    def _made(self) -> Linear | Int4Linear | HalfLinear:
+    def _made(self) -> Linear | Int4Linear | Q4Q8Linear | HalfLinear:
         if self._product is None:
-            if self.kind == "int4":
+            if self.kind in ("int4", "q4q8"):
                 padded = F.pad(self.rows, (0, 0, 0, -self.rows.shape[0] % INT4_ROW_MULTIPLE))
-                self._product = Int4Linear(quantize_rtn(padded), None, self.rows.dtype, padded)
+                codes = quantize_rtn(padded)
+                self._product = (Int4Linear(codes, None, self.rows.dtype, padded) if self.kind == "int4"
+                                 else Q4Q8Linear(codes, None, padded))
             elif self.kind == "packed":
                 self._product = Linear(self.rows, None, pack=True)
             else:
@@ -92,6 +99,8 @@ class DraftHeadProduct:
         if self.kind == "half":
             return product(hidden.float())
         hidden = hidden.to(self.rows.dtype)
+        if self.kind == "q4q8":
+            return product(hidden)[:, :self.rows.shape[0]].float()
         if self.kind != "int4":
             return product(hidden).float()
         parts = [product(part) for part in hidden.split(INT4_HEAD_ROWS)]
@@ -101,11 +110,11 @@ class DraftHeadProduct:
 
 def draft_head_kind(target) -> str:
     """The :class:`DraftHeadProduct` kind for drafting against ``target``: its weights' format where it has a
-    low-bit one (``int4`` for a bfloat16 q4q8 target too), ``packed`` where its engine packs its products, else
+    low-bit one (``int4``, ``q4q8``, ``half`` for fp16), ``packed`` where its engine packs its products, else
     ``dense``."""
     weights = getattr(target, "weights", "dense")
-    if weights == "int4" or (weights == "q4q8" and getattr(target, "dtype", None) == torch.bfloat16):
-        return "int4"
+    if weights in ("int4", "q4q8"):
+        return weights
     if weights == "fp16":
         return "half"
     engine = getattr(target, "engine", None)

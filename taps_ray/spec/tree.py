@@ -21,7 +21,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import can_pack, read_linears_packed
-from taps_ray.models.quant import read_linears_in_half
+from taps_ray.models.quant import read_linears_in_half, read_linears_in_q8
 from taps_ray.models.target import TargetModel, layer_columns
 from taps_ray.models.target_cache import crop_cache
 from taps_ray.spec.draft_compute import (
@@ -401,6 +401,8 @@ def _commit_pending(drafter: DraftHead, target: TargetModel,
         state.head = draft_head_rows(drafter, target.lm_head.weight, kind)
         if kind == "half":
             read_linears_in_half(drafter)
+        elif kind == "q4q8":
+            read_linears_in_q8(drafter)
         elif can_pack(drafter.fc.weight.device, drafter.fc.weight.dtype):
             read_linears_packed(drafter)
     return out, tokens[-1:], r, state.head

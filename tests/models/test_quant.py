@@ -307,6 +307,50 @@ def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_
         assert torch.equal(copy.fc(x), drafter.fc(x))
 
 
+@needs_cc
+def test_a_drafter_of_a_q4q8_target_reads_its_linears_as_q8_codes_outside_autograd_only():
+    """After drafting for a q4q8 target, the drafter's linears compute on Q8_0 codes of their weights times int8
+    activations without autograd, each row as if alone, follow in-place weight changes (hot swap), train through
+    F.linear as before, and pickle without the packed copy; a linear the kernel cannot tile keeps F.linear."""
+    import pickle
+
+    from taps_ray.models.drafter import DraftHead
+    from taps_ray.models.quant import Q8LinearForward, Q8Q8Linear, read_linears_in_q8
+    from taps_ray.spec.decoder import generate
+    from taps_ray.spec.protocol import SingleStrategy
+    from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
+
+    target = TargetModel(peaky_tiny_target(0).model, None, "peaky-q4q8", weights="q4q8")
+    drafter = DraftHead(target.config, seed=0)
+    tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0)
+    generate(target, random_prompt(target, 8, 0), SingleStrategy(drafter, tree), max_new_tokens=6)
+    forwards = [m.__dict__.get("forward") for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    assert forwards and all(isinstance(f, Q8LinearForward) for f in forwards)
+    x = torch.randn(1, 5, drafter.fc.in_features)
+    exact = torch.nn.functional.linear(x, drafter.fc.weight, drafter.fc.bias).detach()
+    with torch.inference_mode():
+        fast = drafter.fc(x)
+        rows = [drafter.fc(x[:, i:i + 1]) for i in range(5)]
+    assert isinstance(drafter.fc.forward._product, Q8Q8Linear)
+    assert 0 < float((fast - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    assert all(torch.equal(row, fast[:, i:i + 1]) for i, row in enumerate(rows))
+    with torch.no_grad():
+        drafter.fc.weight.mul_(2.0)
+        again = drafter.fc(x)
+    torch.testing.assert_close(again, 2 * fast, rtol=0.02, atol=0.02 * float(exact.abs().max()))
+    trained = drafter.fc(x)
+    assert trained.requires_grad and torch.equal(trained.detach(),
+                                                 torch.nn.functional.linear(x, drafter.fc.weight, drafter.fc.bias).detach())
+    copy = pickle.loads(pickle.dumps(drafter))
+    with torch.inference_mode():
+        assert torch.equal(copy.fc(x), drafter.fc(x))
+    odd = torch.nn.Linear(40, 24)
+    read_linears_in_q8(odd)
+    with torch.inference_mode():
+        y = torch.randn(2, 40)
+        assert torch.equal(odd(y), torch.nn.functional.linear(y, odd.weight, odd.bias))
+
+
 def test_int4_product_hands_steps_wider_than_its_rows_to_the_dense_alternative():
     weight = _q4_1_like(96, 64)
     widths = []

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from taps_ray.models.engine import can_pack
-from taps_ray.models.quant import quantize_rtn
+from taps_ray.models.quant import q4q8_unsupported, quantize_rtn
 from taps_ray.spec.draft_compute import INT4_HEAD_ROWS, DraftHeadProduct, draft_head_kind, draft_log_probs
 
 
@@ -13,6 +13,8 @@ def _rows(vocab: int = 300, hidden: int = 64, dtype=torch.bfloat16) -> torch.Ten
 def _kinds() -> list[tuple[str, torch.dtype]]:
     kinds = [("dense", torch.float32), ("dense", torch.bfloat16), ("half", torch.float32), ("int4", torch.bfloat16)]
     kinds += [("packed", dtype) for dtype in (torch.float32, torch.bfloat16) if can_pack(torch.device("cpu"), dtype)]
+    kinds += [("q4q8", dtype) for dtype in (torch.float32, torch.bfloat16)
+              if q4q8_unsupported(torch.device("cpu"), dtype) is None]
     return kinds
 
 
@@ -29,7 +31,7 @@ def test_every_kind_computes_each_row_as_if_drafted_alone(kind, dtype):
         else:
             assert torch.equal(alone, together[start:start + 1])
     exact = hidden.float() @ _rows(dtype=dtype).float().T
-    bound = 0.15 if kind == "int4" else 0.02  # int4: round-to-nearest codes, checked exactly below
+    bound = 0.15 if kind in ("int4", "q4q8") else 0.02  # round-to-nearest codes, checked closely below
     assert float((together - exact).abs().max()) < bound * float(exact.abs().max())
 
 
@@ -40,8 +42,18 @@ def test_int4_head_reads_the_round_to_nearest_codes_of_the_rows():
     torch.testing.assert_close(DraftHeadProduct(rows, "int4")(hidden), expected, rtol=0.02, atol=0.02)
 
 
-def test_int4_head_falls_back_where_the_rows_cannot_be_grouped():
-    head = DraftHeadProduct(_rows(hidden=40), "int4")
+@pytest.mark.skipif(q4q8_unsupported(torch.device("cpu"), torch.bfloat16) is not None, reason="no q4q8 kernel here")
+def test_q4q8_head_reads_the_int4_codes_of_the_rows_times_int8_activations():
+    rows = _rows()
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    int4, q4q8 = DraftHeadProduct(rows, "int4")(hidden), DraftHeadProduct(rows, "q4q8")(hidden)
+    assert q4q8.shape == (3, 300) and not torch.equal(int4, q4q8)
+    torch.testing.assert_close(q4q8, int4, rtol=0.05, atol=0.05 * float(int4.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["int4", "q4q8"])
+def test_a_4bit_head_falls_back_where_the_rows_cannot_be_grouped(kind):
+    head = DraftHeadProduct(_rows(hidden=40), kind)
     assert head.kind in ("packed", "dense")
 
 
@@ -58,7 +70,7 @@ def test_a_copy_drops_the_product_and_makes_it_again(kind, dtype):
 
 
 def test_unknown_kind_names_the_valid_ones():
-    with pytest.raises(ValueError, match="int4, packed, half or dense.*'fp8'"):
+    with pytest.raises(ValueError, match="int4, q4q8, packed, half or dense.*'fp8'"):
         DraftHeadProduct(_rows(), "fp8")
 
 
@@ -70,7 +82,7 @@ class _Target:
 
 @pytest.mark.parametrize("weights,packed,dtype,kind", [
     ("int4", True, torch.bfloat16, "int4"), ("fp16", None, torch.float32, "half"),
-    ("q4q8", True, torch.bfloat16, "int4"), ("q4q8", True, torch.float32, "packed"),
+    ("q4q8", True, torch.bfloat16, "q4q8"), ("q4q8", True, torch.float32, "q4q8"),
     ("dense", True, torch.float32, "packed"), ("dense", False, torch.float32, "dense"),
     ("dense", None, torch.float32, "dense")])
 def test_draft_head_kind_follows_the_targets_weights_and_engine(weights, packed, dtype, kind):
