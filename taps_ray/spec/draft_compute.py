@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from taps_ray.models.drafter import DraftHead
 from taps_ray.models.engine import Linear, can_pack
-from taps_ray.models.quant import GROUP, HalfLinear, Int4Linear, Q4Q8Linear, quantize_rtn
+from taps_ray.models.quant import GROUP, HalfLinear, Int4Linear, Q4Q8Linear, q4q8_unsupported, quantize_rtn
 
 
 class DraftCompute:
@@ -55,7 +55,8 @@ class DraftHeadProduct:
       "thirty-fifth session");
     - ``packed``: oneDNN's product on a prepacked copy (:class:`~taps_ray.models.engine.Linear`), where the engine
       packs its own products (CPU float32, or bf16 with native bf16): 1.8-2.4x a bf16 ``mm`` at 1-8 rows;
-    - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16``;
+    - ``half``: a :class:`~taps_ray.models.quant.HalfLinear`, for ``target.weights: fp16`` where the q4q8 kernel
+      cannot run;
     - ``dense``: ``rows @ hidden^T``.
 
     The head only proposes: a format changes which tokens are drafted, never which are accepted. ``int4``,
@@ -110,13 +111,16 @@ class DraftHeadProduct:
 
 def draft_head_kind(target) -> str:
     """The :class:`DraftHeadProduct` kind for drafting against ``target``: its weights' format where it has a
-    low-bit one (``int4``, ``q4q8``, ``half`` for fp16), ``packed`` where its engine packs its products, else
-    ``dense``."""
+    low-bit one (``int4``, ``q4q8``); for an fp16 target ``q4q8`` where the kernel runs (drafting needs no
+    bitwise agreement with the target: on the emulated AVX2 kind a drafting call took 25-30% less than on half
+    weights, docs/BENCHMARKS.md, thirty-fifth session), else ``half``; ``packed`` where its engine packs its
+    products; else ``dense``."""
     weights = getattr(target, "weights", "dense")
     if weights in ("int4", "q4q8"):
         return weights
     if weights == "fp16":
-        return "half"
+        device, dtype = getattr(target, "device", torch.device("cpu")), getattr(target, "dtype", torch.float32)
+        return "q4q8" if q4q8_unsupported(device, dtype) is None else "half"
     engine = getattr(target, "engine", None)
     return "packed" if engine is not None and engine.packed else "dense"
 

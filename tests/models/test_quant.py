@@ -273,17 +273,20 @@ def test_the_gguf_header_index_agrees_with_the_gguf_package():
 
 
 @needs_fbgemm
-def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_only():
-    """After drafting for an fp16 target, the drafter's linears compute on half weights without autograd, follow
-    in-place weight changes (hot swap), train through F.linear as before, and pickle without the packed copy."""
+def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_only(monkeypatch):
+    """After drafting for an fp16 target where the q4q8 kernel cannot run, the drafter's linears compute on half
+    weights without autograd, follow in-place weight changes (hot swap), train through F.linear as before, and
+    pickle without the packed copy."""
     import pickle
 
     from taps_ray.models.drafter import DraftHead
     from taps_ray.models.quant import HalfLinearForward
+    from taps_ray.spec import draft_compute
     from taps_ray.spec.decoder import generate
     from taps_ray.spec.protocol import SingleStrategy
     from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
 
+    monkeypatch.setattr(draft_compute, "q4q8_unsupported", lambda device, dtype: "no C compiler here")
     half = TargetModel(peaky_tiny_target(0).model, None, "peaky-fp16", weights="fp16")
     drafter = DraftHead(half.config, seed=0)
     generate(half, random_prompt(half, 8, 0), SingleStrategy(drafter, TreeConfig(depth=2, top_k=3, total_tokens=8,
@@ -308,8 +311,9 @@ def test_a_drafter_of_an_fp16_target_reads_its_linears_in_half_outside_autograd_
 
 
 @needs_cc
-def test_a_drafter_of_a_q4q8_target_reads_its_linears_as_q8_codes_outside_autograd_only():
-    """After drafting for a q4q8 target, the drafter's linears compute on Q8_0 codes of their weights times int8
+@pytest.mark.parametrize("weights", ["q4q8", "fp16"])
+def test_a_drafter_of_a_low_bit_target_reads_its_linears_as_q8_codes_outside_autograd_only(weights):
+    """After drafting for a q4q8 target, or an fp16 one where the q4q8 kernel runs, the drafter's linears compute on Q8_0 codes of their weights times int8
     activations without autograd, each row as if alone, follow in-place weight changes (hot swap), train through
     F.linear as before, and pickle without the packed copy; a linear the kernel cannot tile keeps F.linear."""
     import pickle
@@ -320,7 +324,7 @@ def test_a_drafter_of_a_q4q8_target_reads_its_linears_as_q8_codes_outside_autogr
     from taps_ray.spec.protocol import SingleStrategy
     from tests.spec.spec_helpers import peaky_tiny_target, random_prompt
 
-    target = TargetModel(peaky_tiny_target(0).model, None, "peaky-q4q8", weights="q4q8")
+    target = TargetModel(peaky_tiny_target(0).model, None, f"peaky-{weights}", weights=weights)
     drafter = DraftHead(target.config, seed=0)
     tree = TreeConfig(depth=2, top_k=3, total_tokens=8, lookup_tokens=0)
     generate(target, random_prompt(target, 8, 0), SingleStrategy(drafter, tree), max_new_tokens=6)

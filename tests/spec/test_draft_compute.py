@@ -80,13 +80,23 @@ class _Target:
         self.engine = None if packed is None else type("Engine", (), {"packed": packed})()
 
 
+KERNEL = q4q8_unsupported(torch.device("cpu"), torch.float32) is None
+
+
 @pytest.mark.parametrize("weights,packed,dtype,kind", [
-    ("int4", True, torch.bfloat16, "int4"), ("fp16", None, torch.float32, "half"),
+    ("int4", True, torch.bfloat16, "int4"), ("fp16", None, torch.float32, "q4q8" if KERNEL else "half"),
     ("q4q8", True, torch.bfloat16, "q4q8"), ("q4q8", True, torch.float32, "q4q8"),
     ("dense", True, torch.float32, "packed"), ("dense", False, torch.float32, "dense"),
     ("dense", None, torch.float32, "dense")])
 def test_draft_head_kind_follows_the_targets_weights_and_engine(weights, packed, dtype, kind):
     assert draft_head_kind(_Target(weights, packed, dtype)) == kind
+
+
+def test_an_fp16_target_drafts_on_half_weights_where_the_q4q8_kernel_cannot_run(monkeypatch):
+    from taps_ray.spec import draft_compute
+
+    monkeypatch.setattr(draft_compute, "q4q8_unsupported", lambda device, dtype: "no C compiler here")
+    assert draft_head_kind(_Target("fp16", None, torch.float32)) == "half"
 
 
 def test_log_probs_normalise_and_report_entropy():
