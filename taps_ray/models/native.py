@@ -30,6 +30,7 @@ machine, to measure what the AVX2 kind of machine runs."""
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+_failure: KernelBuildError | None = None
 
 
 class KernelBuildError(RuntimeError):
@@ -69,15 +70,26 @@ def kernels_dir() -> Path:
 
 def q4q8_library() -> ctypes.CDLL:
     """The loaded kernel (built first where this machine kind has no build yet); :class:`KernelBuildError` when it
-    cannot be built."""
-    global _library
+    cannot be built or loaded (a cache folder that cannot be written included), the same error again for the rest
+    of the process without another try."""
+    global _library, _failure
     with _lock:
+        if _failure is not None:
+            raise _failure
         if _library is None:
-            built = _built()
+            try:
+                built = _built()
+            except OSError as err:
+                _failure = KernelBuildError(f"the q4q8 kernel cannot be built into the cache (TAPS_CACHE): {err}")
+                raise _failure from err
+            except KernelBuildError as err:
+                _failure = err
+                raise
             try:
                 _library = _declare(ctypes.CDLL(str(built)))
             except OSError as err:
-                raise KernelBuildError(f"the q4q8 kernel {built} does not load: {err}") from err
+                _failure = KernelBuildError(f"the q4q8 kernel {built} does not load: {err}")
+                raise _failure from err
         return _library
 
 

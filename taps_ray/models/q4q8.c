@@ -330,6 +330,7 @@ static float portable_group(const uint8_t *p, int q8, int i, const int8_t *xr, f
  * AVX2 loop, with half the vector registers, gains nothing). */
 #define TILE_CALL(n, q8, w, groups, xr, dr, sr, K, acc) \
     do { if (q8) tile8_rows(w, groups, xr, dr, K, n, acc); else tile_rows(w, groups, xr, dr, sr, K, n, acc); } while (0)
+_Static_assert(ROWS == 4, "DISPATCH_ROWS covers row counts 1 to 4");
 #define DISPATCH_ROWS(rows, q8, w, groups, xr, dr, sr, K, acc) \
     do { switch (rows) { \
         case 4: TILE_CALL(4, q8, w, groups, xr, dr, sr, K, acc); break; \

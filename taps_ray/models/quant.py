@@ -296,8 +296,9 @@ class _Int8ActivationProduct:
 
     codes = "q4"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor, out_features: int):
-        self.packed, self.out_features = packed, out_features
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor, out_features: int,
+                 in_features: int):
+        self.packed, self.out_features, self.in_features = packed, out_features, in_features
         self.weight, self.bias = weight, None if bias is None else bias.detach().float().contiguous()
         self.key = tensor_identity(weight)
 
@@ -310,6 +311,9 @@ class _Int8ActivationProduct:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         check_unchanged(self.weight, self.key, "q4q8" if self.codes == "q4" else "q8q8")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"a {self.codes}-coded product takes CPU inputs [T, {self.in_features}], got "
+                             f"{list(x.shape)}")
         return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias, codes=self.codes)
 
 
@@ -320,7 +324,7 @@ class Q4Q8Linear(_Int8ActivationProduct):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, source: torch.Tensor):
         n, k = weight.codes.shape
         self.check_shape(n, k, "q4q8")
-        super().__init__(source, bias, pack_q4q8(weight.codes, weight.scale, weight.minimum), n)
+        super().__init__(source, bias, pack_q4q8(weight.codes, weight.scale, weight.minimum), n, k)
 
 
 class Q8Q8Linear(_Int8ActivationProduct):
@@ -337,7 +341,7 @@ class Q8Q8Linear(_Int8ActivationProduct):
         scale = (groups.abs().amax(-1) / INT8_LEVELS).half()  # [N, G]
         step = scale.float().unsqueeze(-1)
         codes = torch.where(step > 0, groups / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-127, 127)
-        super().__init__(weight, bias, pack_q8q8(codes.to(torch.int8).reshape(n, k), scale), n)
+        super().__init__(weight, bias, pack_q8q8(codes.to(torch.int8).reshape(n, k), scale), n, k)
 
 
 class HalfLinear:
@@ -434,8 +438,8 @@ class Q8LinearForward(LinearForward):
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         n, k = weight.shape
-        return (x.dtype == weight.dtype and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-                and k % GROUP == 0 and n % 16 == 0)
+        return (x.dtype == weight.dtype and x.device.type == weight.device.type == "cpu" and x.shape[-1] == k
+                and weight.dtype in (torch.float32, torch.bfloat16) and k % GROUP == 0 and n % 16 == 0)
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Q8Q8Linear:
         return Q8Q8Linear(weight.detach(), bias)
@@ -443,7 +447,8 @@ class Q8LinearForward(LinearForward):
 
 def read_linears_in_q8(module: torch.nn.Module) -> None:
     """Make every ``nn.Linear`` of ``module`` (a drafter) compute, outside autograd, on Q8_0 codes of its weight
-    times int8 activations (:class:`Q8LinearForward`); idempotent. For a q4q8 target: a drafter's eight products at
+    times int8 activations (:class:`Q8LinearForward`); idempotent. For a q4q8 target (and an fp16 one where the
+    kernel builds): a drafter's eight products at
     1-9 rows, read after a target step, take 0.23-0.47 ms against 0.50-0.90 ms through oneDNN's packed bf16
     product (docs/BENCHMARKS.md, "thirty-fifth session"). The codes change what is drafted, never what is
     accepted."""

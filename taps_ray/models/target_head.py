@@ -51,8 +51,8 @@ class TargetHead:
     and drafter training use of a :class:`TargetModel`, under the same attribute names.
 
     ``tensors_read``: the checkpoint tensors read (empty after a full-model fallback). ``weights``: the weight
-    format the full target runs (``target.weights`` resolved); drafting for an ``fp16`` target reads the draft
-    head and the drafter's linears in half precision, as it does in-process.
+    format the full target runs (``target.weights`` resolved); drafting reads the draft head and the drafter's
+    linears in the format :func:`~taps_ray.spec.draft_compute.draft_head_kind` picks for it, as it does in-process.
     """
 
     name: str

@@ -112,7 +112,7 @@ class DraftHeadProduct:
 def draft_head_kind(target) -> str:
     """The :class:`DraftHeadProduct` kind for drafting against ``target``: its weights' format where it has a
     low-bit one (``int4``, ``q4q8``); for an fp16 target ``q4q8`` where the kernel runs (drafting needs no
-    bitwise agreement with the target: on the emulated AVX2 kind a drafting call took 25-30% less than on half
+    bitwise agreement with the target: on the emulated AVX2 kind a drafting call took 21-31% less than on half
     weights, docs/BENCHMARKS.md, thirty-fifth session), else ``half``; ``packed`` where its engine packs its
     products; else ``dense``."""
     weights = getattr(target, "weights", "dense")

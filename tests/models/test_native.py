@@ -38,11 +38,13 @@ def weight() -> Int4Weight:
 def test_the_kernel_builds_once_into_the_cache_and_names_its_build(tmp_path, monkeypatch):
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     assert native.q4q8_kernel() in ("avx512-vnni", "avx2", "portable")
     built = list((tmp_path / "kernels").glob("q4q8-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     native.q4q8_library()
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("q4q8-*.so")] == [stamp]
 
@@ -93,6 +95,7 @@ def test_every_build_computes_the_same_bits(weight, tmp_path, monkeypatch):
     for march, kernel in builds.items():
         monkeypatch.setenv(native.MARCH_ENV, march)
         monkeypatch.setattr(native, "_library", None)
+        monkeypatch.setattr(native, "_failure", None)
         assert native.q4q8_kernel() == kernel
         linear = Q4Q8Linear(weight, bias, torch.zeros(1))
         assert all(torch.equal(linear(x.to(ref.dtype)), ref) for ref in reference), kernel
@@ -127,6 +130,7 @@ def test_the_head_product_is_q8_0_times_q8_1_in_every_build(tmp_path, monkeypatc
             continue
         monkeypatch.setenv(native.MARCH_ENV, march)
         monkeypatch.setattr(native, "_library", None)
+        monkeypatch.setattr(native, "_failure", None)
         assert native.q4q8_kernel() == kernel
         assert torch.equal(Q8Q8Linear(dense, bias)(x), got.float()), kernel
 
@@ -157,6 +161,7 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_a_failing_one_
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     assert native.q4q8_kernel() in ("avx512-vnni", "avx2", "portable")
     broken = tmp_path / "cc-broken"
     broken.write_text('#!/bin/sh\necho "fatal: nothing builds here" >&2\nexit 1\n')
@@ -164,12 +169,37 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_a_failing_one_
     monkeypatch.setenv("CC", str(broken))
     monkeypatch.setenv("TAPS_CACHE", str(tmp_path / "cache2"))
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     assert "does not build here" in q4q8_unsupported(torch.device("cpu"), torch.bfloat16)
+
+
+@needs_cc
+def test_a_cache_that_cannot_be_written_refuses_q4q8_once_with_the_reason(monkeypatch, tmp_path):
+    """The build's OSError becomes the refusal's reason (an fp16 target then drafts on half weights), and the
+    process does not try to build again."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TAPS_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
+    reason = q4q8_unsupported(torch.device("cpu"), torch.float32)
+    assert reason is not None and "cannot be built into the cache" in reason
+    tries: list[int] = []
+    monkeypatch.setattr(native, "_built", lambda: tries.append(1))
+    assert q4q8_unsupported(torch.device("cpu"), torch.float32) == reason and not tries
+
+
+@needs_cc
+def test_a_coded_product_refuses_an_input_of_another_width(weight):
+    linear = Q4Q8Linear(weight, None, weight.dequantize())
+    with pytest.raises(ValueError, match=rf"CPU inputs \[T, {weight.codes.shape[1]}\], got \[2, 64\]"):
+        linear(torch.randn(2, 64))
 
 
 def test_without_a_compiler_q4q8_is_refused_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     assert "C compiler" in q4q8_unsupported(torch.device("cpu"), torch.float32)
     with pytest.raises(native.KernelBuildError, match="no-such-cc"):
         native.q4q8_library()

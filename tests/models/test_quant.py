@@ -317,7 +317,7 @@ def _assert_swaps_trains_and_pickles(drafter, x: torch.Tensor, atol: float) -> N
 
 
 @needs_cc
-@pytest.mark.parametrize("weights", ["q4q8", "fp16"])
+@pytest.mark.parametrize("weights", ["q4q8", pytest.param("fp16", marks=needs_fbgemm)])
 def test_a_drafter_of_a_low_bit_target_reads_its_linears_as_q8_codes_outside_autograd_only(weights):
     """After drafting for a q4q8 target, or an fp16 one where the q4q8 kernel runs, the drafter's linears compute
     on Q8_0 codes of their weights times int8 activations without autograd, each row as if alone, follow in-place

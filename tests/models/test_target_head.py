@@ -163,7 +163,7 @@ def test_drafts_the_same_tree_as_the_full_target(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(fp16_unsupported(torch.device("cpu"), torch.float32) is not None, reason="no fbgemm fp16 GEMM here")
-def test_an_fp16_targets_head_drafts_in_half_as_the_full_target_does(tmp_path, monkeypatch):
+def test_an_fp16_targets_head_drafts_as_the_full_target_does(tmp_path, monkeypatch):
     """A drafter deployment of an fp16 target drafts with the draft head and its linears as in-process next to the
     full fp16 target (on the q4q8 kernel where it runs, else in half precision): the same trees."""
     from taps_ray.models.quant import HalfLinearForward, Q8LinearForward, q4q8_unsupported
