@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import mmap
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -375,13 +376,14 @@ class HalfLinear:
 class LinearForward(abc.ABC):
     """A drafter ``nn.Linear``'s forward (installed by :func:`install_forwards`): without autograd, where
     :meth:`applies`, the product :meth:`make` builds from the weight and bias, made again whenever either is replaced
-    or changed in place; otherwise (training, another device or dtype) ``F.linear`` as before. Pickles and copies
-    without the product (made again on first use)."""
+    or changed in place; otherwise (training, another device or dtype) ``F.linear`` as before. Threads calling it
+    at once make the product once. Pickles and copies without the product (made again on first use)."""
 
     def __init__(self, module: torch.nn.Linear):
         self.module = module
         self._product = None
         self._key: tuple | None = None
+        self._lock = threading.Lock()
 
     @abc.abstractmethod
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -397,7 +399,9 @@ class LinearForward(abc.ABC):
             return F.linear(x, weight, bias)
         key = (tensor_identity(weight), None if bias is None else tensor_identity(bias))
         if key != self._key:
-            self._product, self._key = self.make(weight, bias), key
+            with self._lock:
+                if key != self._key:
+                    self._product, self._key = self.make(weight, bias), key
         return self._product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def __getstate__(self) -> dict:

@@ -8,6 +8,8 @@ Shapes: ``n`` new positions, ``P`` cached positions, ``H`` hidden size, ``V`` dr
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -75,13 +77,23 @@ class DraftHeadProduct:
             kind = "packed" if can_pack(rows.device, rows.dtype) else "dense"
         self.rows, self.kind = rows, kind
         self._product: Linear | Int4Linear | Q4Q8Linear | HalfLinear | None = None
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         """Pickles and copies without the packed product (made again on first use)."""
         return {"rows": self.rows, "kind": self.kind, "_product": None}
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _made(self) -> Linear | Int4Linear | Q4Q8Linear | HalfLinear:
-        if self._product is None:
+        """The product, made once (sessions drafting at once on their own threads share one)."""
+        if self._product is not None:
+            return self._product
+        with self._lock:
+            if self._product is not None:
+                return self._product
             if self.kind in ("int4", "q4q8"):
                 padded = F.pad(self.rows, (0, 0, 0, -self.rows.shape[0] % INT4_ROW_MULTIPLE))
                 codes = quantize_rtn(padded)
@@ -91,7 +103,7 @@ class DraftHeadProduct:
                 self._product = Linear(self.rows, None, pack=True)
             else:
                 self._product = HalfLinear(self.rows, None)
-        return self._product
+            return self._product
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kind == "dense":

@@ -351,6 +351,40 @@ def test_a_drafter_of_a_low_bit_target_reads_its_linears_as_q8_codes_outside_aut
         assert torch.equal(odd(y), torch.nn.functional.linear(y, odd.weight, odd.bias))
 
 
+def test_threads_calling_a_linear_forward_at_once_make_its_product_once():
+    import threading
+
+    from taps_ray.models.quant import LinearForward
+
+    made: list[int] = []
+
+    class Counted(LinearForward):
+        def applies(self, x, weight):
+            return True
+
+        def make(self, weight, bias):
+            made.append(1)
+            threading.Event().wait(0.05)  # a build long enough for every thread to arrive
+            return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+    layer = torch.nn.Linear(32, 16)
+    layer.forward = Counted(layer)
+    start = threading.Barrier(6)
+    outputs: list[torch.Tensor] = []
+
+    def call():
+        start.wait()
+        with torch.inference_mode():
+            outputs.append(layer(torch.ones(1, 32)))
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and len(outputs) == 6 and all(torch.equal(o, outputs[0]) for o in outputs)
+
+
 def test_int4_product_hands_steps_wider_than_its_rows_to_the_dense_alternative():
     weight = _q4_1_like(96, 64)
     widths = []

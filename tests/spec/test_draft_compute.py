@@ -69,6 +69,30 @@ def test_a_copy_drops_the_product_and_makes_it_again(kind, dtype):
         assert other._product is None and torch.equal(other(hidden), expected)
 
 
+def test_sessions_drafting_at_once_share_one_product(monkeypatch):
+    import threading
+
+    from taps_ray.spec import draft_compute
+
+    made: list[int] = []
+    real = draft_compute.HalfLinear
+
+    def counted(rows, bias):
+        made.append(1)
+        threading.Event().wait(0.05)  # a build long enough for every thread to arrive
+        return real(rows, bias)
+
+    monkeypatch.setattr(draft_compute, "HalfLinear", counted)
+    head = DraftHeadProduct(_rows(dtype=torch.float32), "half")
+    start = threading.Barrier(6)
+    threads = [threading.Thread(target=lambda: (start.wait(), head(torch.ones(1, 64)))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1
+
+
 def test_unknown_kind_names_the_valid_ones():
     with pytest.raises(ValueError, match="int4, q4q8, packed, half or dense.*'fp8'"):
         DraftHeadProduct(_rows(), "fp8")
