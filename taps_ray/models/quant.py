@@ -313,8 +313,7 @@ class _Int8ActivationProduct:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         check_unchanged(self.weight, self.key, "q4q8" if self.codes == "q4" else "q8q8")
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"a {self.codes}-coded product takes CPU inputs [T, {self.in_features}], got "
-                             f"{list(x.shape)}")
+            raise ValueError(f"a {self.codes}-coded product takes CPU inputs [T, {self.in_features}], got {list(x.shape)}")
         return q4q8_matmul(x.contiguous(), self.packed, self.out_features, self.bias, codes=self.codes)
 
 
@@ -380,10 +379,8 @@ class LinearForward(abc.ABC):
     at once make the product once. Pickles and copies without the product (made again on first use)."""
 
     def __init__(self, module: torch.nn.Linear):
-        self.module = module
-        self._product = None
+        self.module, self._product, self._lock = module, None, threading.Lock()
         self._key: tuple | None = None
-        self._lock = threading.Lock()
 
     @abc.abstractmethod
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -451,11 +448,9 @@ class Q8LinearForward(LinearForward):
 
 def read_linears_in_q8(module: torch.nn.Module) -> None:
     """Make every ``nn.Linear`` of ``module`` (a drafter) compute, outside autograd, on Q8_0 codes of its weight
-    times int8 activations (:class:`Q8LinearForward`); idempotent. For a q4q8 target (and an fp16 one where the
-    kernel builds): a drafter's eight products at
-    1-9 rows, read after a target step, take 0.23-0.47 ms against 0.50-0.90 ms through oneDNN's packed bf16
-    product (docs/BENCHMARKS.md, "thirty-fifth session"). The codes change what is drafted, never what is
-    accepted."""
+    times int8 activations (:class:`Q8LinearForward`); idempotent. For a q4q8 target (an fp16 one where the kernel
+    builds): 0.23-0.47 ms for a drafter's eight products at 1-9 rows against 0.50-0.90 ms packed bf16
+    (docs/BENCHMARKS.md, thirty-fifth session). The codes change what is drafted, never what is accepted."""
     install_forwards(module, Q8LinearForward)
 
 
