@@ -78,19 +78,20 @@ def q4q8_library() -> ctypes.CDLL:
             raise _failure
         if _library is None:
             try:
-                built = _built()
-            except OSError as err:
-                _failure = KernelBuildError(f"the q4q8 kernel cannot be built into the cache (TAPS_CACHE): {err}")
-                raise _failure from err
-            except KernelBuildError as err:
-                _failure = err
-                raise
-            try:
-                _library = _declare(ctypes.CDLL(str(built)))
-            except OSError as err:
-                _failure = KernelBuildError(f"the q4q8 kernel {built} does not load: {err}")
+                _library = _load()
+            except (OSError, KernelBuildError) as err:
+                _failure = err if isinstance(err, KernelBuildError) else KernelBuildError(
+                    f"the q4q8 kernel cannot be built into the cache (TAPS_CACHE): {err}")
                 raise _failure from err
         return _library
+
+
+def _load() -> ctypes.CDLL:
+    built = _built()
+    try:
+        return _declare(ctypes.CDLL(str(built)))
+    except OSError as err:
+        raise KernelBuildError(f"the q4q8 kernel {built} does not load: {err}") from err
 
 
 def _built() -> Path:
