@@ -46,8 +46,9 @@ class TargetConfig(Strict):
     weights: Literal["auto", "dense", "int4", "fp16", "q4q8"] = Field(default="auto", description=(
         "the static engine's weights: dense (target.dtype); int4 (4-bit codes in groups of 32, a GGUF's own Q4_1 or "
         "round-to-nearest; torch's kernel; CPU, bf16); q4q8 (those codes times int8 activations, llama.cpp's Q4_1 x "
-        "Q8_1; a C kernel built at first use; CPU); fp16 (fbgemm, float32 activations, CPU); auto: q4q8 (int4 without "
-        "a C compiler or with compile) on a CPU with native bf16, fp16 from dtype auto without it, else dense"))
+        "Q8_1; a C kernel built at first use; CPU); fp16 (fbgemm, float32 activations, CPU); auto: int4 with compile "
+        "wherever int4 runs, else q4q8 (int4 without a C compiler) on a CPU with native bf16, fp16 from dtype auto "
+        "without it, else dense"))
     int4_max_rows: int | None = Field(default=None, ge=1, description=(
         "int4 weights of a GGUF target: steps of up to this many tokens read the 4-bit codes, wider ones the "
         "packed dense copy; None: measured on this machine with the cost model (seconds, once, cached under "

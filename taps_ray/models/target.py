@@ -21,7 +21,7 @@ from taps_ray import artifacts
 from taps_ray.config import TargetConfig
 from taps_ray.models.attention import use_gqa_sdpa
 from taps_ray.models.engine import KVCache, Segment, StaticEngine, static_support
-from taps_ray.models.quant import Int4Weight, read_gguf_q4_1
+from taps_ray.models.quant import Int4Weight, int4_unsupported, read_gguf_q4_1
 from taps_ray.models.target_cache import TargetCache
 from taps_ray.models.target_loading import (
     EMBEDDED_PREFIX,
@@ -176,8 +176,8 @@ class TargetModel:
             gguf = Path(source) if source.endswith(".gguf") else None
         model.to(device)
         weights = resolve_weights(cfg.weights, device, dtype, source, cfg.dtype)
-        if cfg.compile and cfg.weights == "auto" and weights == "q4q8":
-            weights = "int4"  # compiled steps run torch's int4 kernel
+        if cfg.compile and cfg.weights == "auto" and weights != "int4" and int4_unsupported(device, dtype) is None:
+            weights = "int4"  # compiled steps run torch's int4 kernel, wherever it runs
         target = cls(model, tokenizer, name=source, engine=cfg.engine, weights=weights, gguf=gguf,
                      weights_required=cfg.weights != "auto", graphs=cfg.graphs, compile=cfg.compile)
         if cfg.int4_max_rows is not None:
