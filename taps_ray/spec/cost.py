@@ -242,7 +242,6 @@ class TreeBudget:
         self._seen = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._hits = {kind: torch.zeros(bins, dtype=torch.float64) for kind in self.KINDS}
         self._drafted_steps = 0
-        self._first_probe = False  # a request sharing this budget drafts before any drafted step was observed
         self._depths: dict[int, _DepthStats] = {}
         self._drafted_depth: int | None = None
         self._skipped = 0
@@ -288,18 +287,13 @@ class TreeBudget:
         :class:`Others` (``(N g + S) / (D + N d + verify(R + N n))`` against ``(N + S) / (D + verify(R + N))``,
         N = 1 + peers); then once in a while, to see again: after ``probe_every`` skipped steps (``probe_every *
         N`` calls of the budget its peers share), the gap doubling after each probe that still does not pay, and
-        at least the gap that keeps the probes' loss within ``probe_share`` of the time (:meth:`_probe_floor`).
-        Before any drafted step is observed, one call drafts and the next calls do not until a step is observed:
-        requests starting together on one budget do not all draft their first step blind."""
+        at least the gap that keeps the probes' loss within ``probe_share`` of the time (:meth:`_probe_floor`)."""
         others = Others(*others)
         if self._new_request:
             self._new_request = False
             if not others.peers:
                 self._probe_gap, self._skipped = self.probe_every, 0
         if not self._drafted_steps:
-            if self._first_probe:
-                return False
-            self._first_probe = True
             return True
         rates, plain_s = self._depth_rates(others), self._plain_s(others)
         if self._pays(others, rates, plain_s):
@@ -437,7 +431,6 @@ class TreeBudget:
         prefill, and a drafter's first use sets it up), and the verification forward's own ``verify_s`` with
         the ``rows`` of other requests in it (they update :attr:`scale`)."""
         w = 0.8
-        self._first_probe = False
         if verify_s is not None:
             ratio = verify_s / max(self._cost().verify_one(rows + (1 if tree is None else tree.size)), 1e-9)
             self.scale = ratio if self._scaled == 0 else w * self.scale + (1 - w) * ratio

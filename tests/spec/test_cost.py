@@ -261,18 +261,6 @@ def test_a_new_request_probes_again_after_probe_every_steps():
     assert [i for i in range(9) if budget.should_draft()] == [2, 8]
 
 
-def test_before_anything_is_observed_one_request_at_a_time_drafts():
-    """Requests that start together on one budget (a regeneration batch, a burst of served requests) would
-    otherwise all draft their first step blind, each also running its prompt through the drafter; one drafts, the
-    others decode plainly until a step has been observed."""
-    budget = TreeBudget(_model([1.0, 1.0, 1.0, 1.0, 1.0]))
-    assert [budget.should_draft() for _ in range(4)] == [True, False, False, False]
-    budget.observe(None, None, None)
-    assert [budget.should_draft() for _ in range(2)] == [True, False], "a plain step's end lets another probe"
-    budget.observe(_tree([-0.1]), torch.tensor([0]), draft_s=None)
-    assert all(budget.should_draft() for _ in range(3)), "once a drafted step is observed, its rates decide"
-
-
 def test_a_new_request_beside_peers_keeps_the_probes_backing_off():
     """Under load every arriving request would otherwise restart the probes of the budget its peers share; the
     peers' count, seen each step, already says when the load lets drafting pay again."""
