@@ -18,7 +18,8 @@ runs the same arithmetic directly on the model's own weights:
   ``length``; a step writes its n entries at ``length .. length + n - 1``, cropping moves ``length``
   back, and compaction after tree verification gathers the accepted entries by index;
 - a batch of several requests' steps runs packed: one matmul per projection over all their tokens
-  ``[T = sum n_i, H]``, attention per request on that request's own cache (no padding, no copies).
+  ``[T = sum n_i, H]``, attention per request on that request's own cache (no padding, no copies); on CPU the
+  one-token requests attend in one kernel call per layer (:mod:`~taps_ray.models.decode_attention`).
 
 Shapes: ``n`` new tokens of one request, ``P`` its cached length, ``T`` tokens of a packed batch,
 ``H`` hidden, ``h``/``g`` query/kv heads, ``d`` head dim, ``L`` layers, ``C`` cache capacity.
@@ -27,11 +28,13 @@ Shapes: ``n`` new tokens of one request, ``P`` its cached length, ``T`` tokens o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from taps_ray.models.compiled import CompiledSteps, compile_support
+from taps_ray.models.decode_attention import DecodeAttention, takes_kernel
 from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.quant import (
     GROUP,
@@ -365,16 +368,24 @@ class StaticEngine:
         rows = self._rows(total)
         if rows > total:  # products run on rows they round alike on (fp16); the padding rows attend nowhere
             x = F.pad(x, (0, 0, 0, rows - total))
-        starts = _starts(segments)
+        starts = [0, *accumulate(seg.n for seg in segments)][:-1]
         masks = [self._masks(seg, positions[start:start + seg.n]) for seg, start in zip(segments, starts)]
         hd = self.heads * self.head_dim
+        windowed = any(layer.window is not None for layer in self.layers)
+        kernel = None if windowed else DecodeAttention.plan(segments, starts, self.heads, self.kv_heads,
+                                                            self.head_dim, self.scale)
+        rest = [(seg, start, mask) for seg, start, mask in zip(segments, starts, masks)
+                if kernel is None or not takes_kernel(seg)]
 
         def attend(index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if len(segments) == 1:
-                out = self._attend(index, layer, segments[0], q, k, v, masks[0]).reshape(total, hd)
+            if not rest or len(segments) == 1:
+                out = (kernel(index, q, k, v) if not rest
+                       else self._attend(index, layer, segments[0], q, k, v, masks[0])).reshape(total, hd)
                 return F.pad(out, (0, 0, 0, rows - total)) if rows > total else out
             out = q.new_zeros(rows, hd)
-            for seg, start, mask in zip(segments, starts, masks):
+            if kernel is not None:
+                out[kernel.rows] = kernel(index, q[kernel.rows], k[kernel.rows], v[kernel.rows]).reshape(-1, hd)
+            for seg, start, mask in rest:
                 part = slice(start, start + seg.n)
                 out[part] = self._attend(index, layer, seg, q[part], k[part], v[part], mask).reshape(seg.n, hd)
             return out
@@ -461,14 +472,6 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def _call(linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
-
-
-def _starts(segments: list[Segment]) -> list[int]:
-    starts, offset = [], 0
-    for seg in segments:
-        starts.append(offset)
-        offset += seg.n
-    return starts
 
 
 def _causal_mask(n: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

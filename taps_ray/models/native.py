@@ -1,7 +1,9 @@
-"""The C kernels of ``target.weights: q4q8`` (``q4q8.c``: the layers' Q4_1 x Q8_1 and the LM head's Q8_0 x Q8_1
-products): built at first use, loaded through ctypes.
+"""The C kernels of the static engine, built at first use and loaded through ctypes: ``q4q8.c`` (``target.weights:
+q4q8``: the layers' Q4_1 x Q8_1 and the LM head's Q8_0 x Q8_1 products) and ``decode_attention.c`` (one-token
+attention of a batch of requests on their own caches, :mod:`taps_ray.models.decode_attention`).
 
-The source ships with the package. :func:`q4q8_library` compiles it once per machine kind with the system C
+The sources ship with the package. :func:`q4q8_library` (and :func:`attention_library`) compiles one once per
+machine kind with the system C
 compiler (``cc -O3 -march=native -fopenmp``: about a second) into ``TAPS_CACHE/kernels/``, named by a hash of the
 source, the compiler and the CPU's flags, so a cache shared across machines never hands one CPU another's
 build; a process loads it once. OpenMP runs on the libgomp torch has loaded (the same soname), so the kernel's
@@ -24,6 +26,7 @@ import torch
 from taps_ray import artifacts
 
 SOURCE = Path(__file__).with_name("q4q8.c")
+ATTENTION_SOURCE = Path(__file__).with_name("decode_attention.c")
 MARCH_ENV = "TAPS_KERNEL_MARCH"
 """The ``-march`` the kernel is built for (default ``native``): ``haswell`` builds the AVX2 loop on an AVX-512
 machine, to measure what the AVX2 kind of machine runs."""
@@ -31,6 +34,8 @@ machine, to measure what the AVX2 kind of machine runs."""
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: KernelBuildError | None = None
+_attention: ctypes.CDLL | None = None
+_attention_failure: KernelBuildError | None = None
 
 
 class KernelBuildError(RuntimeError):
@@ -56,9 +61,9 @@ def build_flags(openmp: bool = True) -> tuple[str, ...]:
             "-shared", "-fPIC")
 
 
-def _build_key(cc: str) -> str:
+def _build_key(cc: str, source: Path = SOURCE) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(source.read_bytes())
     for part in (version, _cpu_flags(), " ".join(build_flags())):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
@@ -95,25 +100,29 @@ def _load() -> ctypes.CDLL:
 
 
 def _built() -> Path:
+    return _build(SOURCE, "q4q8", f"target.weights=q4q8 builds its kernel with a C compiler at first use, and there is "
+                  f"none here (${{CC}} or cc: {os.environ.get('CC', 'cc')!r}); install gcc or use target.weights=int4")
+
+
+def _build(source: Path, stem: str, no_compiler: str) -> Path:
+    """The library of ``source`` in the cache, compiled first where this machine kind has none yet."""
     cc = compiler()
     if cc is None:
-        raise KernelBuildError(f"target.weights=q4q8 builds its kernel with a C compiler at first use, and there is "
-                               f"none here (${{CC}} or cc: {os.environ.get('CC', 'cc')!r}); install gcc or use "
-                               f"target.weights=int4")
+        raise KernelBuildError(no_compiler)
     folder = kernels_dir()
-    library = folder / f"q4q8-{_build_key(cc)}.so"
+    library = folder / f"{stem}-{_build_key(cc, source)}.so"
     if library.is_file():
         return library
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         partial = Path(scratch) / library.name
         for flags in (build_flags(), build_flags(openmp=False)):
-            done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", str(partial), str(source)], capture_output=True, text=True,
                                   check=False)
             if done.returncode == 0:
                 break
         else:
-            raise KernelBuildError(f"building the q4q8 kernel failed ({cc} {' '.join(flags)}):\n{done.stderr[-2000:]}")
+            raise KernelBuildError(f"building the {stem} kernel failed ({cc} {' '.join(flags)}):\n{done.stderr[-2000:]}")
         os.replace(partial, library)  # atomic: a process building beside this one never loads half a file
     return library
 
@@ -131,6 +140,28 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         product.argtypes = [pointer, flag, size, size, pointer, pointer, size, pointer, flag, pointer, flag]
         product.restype = None
     return lib
+
+
+def attention_library() -> ctypes.CDLL | None:
+    """The loaded ``decode_attention.c`` kernel, or None where it cannot be built or loaded here (no C compiler, a
+    cache that cannot be written: the engine then attends with torch's SDPA); tried once per process."""
+    global _attention, _attention_failure
+    if _attention is not None or _attention_failure is not None:
+        return _attention
+    with _lock:
+        if _attention is None and _attention_failure is None:
+            try:
+                built = _build(ATTENTION_SOURCE, "decode-attention", "no C compiler (${CC} or cc) for the attention kernel")
+                lib = ctypes.CDLL(str(built))
+            except (OSError, KernelBuildError) as err:
+                _attention_failure = err if isinstance(err, KernelBuildError) else KernelBuildError(str(err))
+                return None
+            pointer, size = ctypes.c_void_p, ctypes.c_int64
+            lib.taps_decode_attention.argtypes = [size, pointer, pointer, pointer, pointer, size, size, size, size,
+                                                  pointer, pointer, pointer, ctypes.c_float, pointer, ctypes.c_int]
+            lib.taps_decode_attention.restype = ctypes.c_int
+            _attention = lib
+        return _attention
 
 
 def q4q8_kernel() -> str:
