@@ -92,3 +92,22 @@ def test_regeneration_decodes_a_batch_with_the_release_drafter_losslessly(embedd
     plain = features.RegenerateActor(TargetConfig(dtype="float32").model_dump(),
                                      RegenerationConfig(max_new_tokens=24, drafter=None).model_dump())
     assert plain.drafter is None and list(plain(batch)["response"]) == alone
+
+
+def test_regeneration_measures_both_modes_then_keeps_the_faster_and_tries_the_other_again(capsys):
+    """With a drafter the first batch drafts and the second decodes plainly; then the faster mode runs, the
+    slower one every RECHECK_EVERY-th batch; without a drafter every batch decodes plainly."""
+    actor = features.RegenerateActor.__new__(features.RegenerateActor)
+    actor.drafter, actor.rates, actor.batches, actor.label = object(), {}, 0, "math"
+    modes = []
+    for _ in range(2 * features.RECHECK_EVERY):
+        drafting = actor.drafting()
+        modes.append(drafting)
+        actor.observe(drafting, 50.0 if drafting else 100.0)
+    assert modes[:2] == [True, False]
+    assert [i for i, mode in enumerate(modes) if mode] == [0, features.RECHECK_EVERY]
+    assert "drafter 50 tokens/s, plainly batched 100 tokens/s: decoding plainly" in capsys.readouterr().out
+    actor.rates = {True: 120.0, False: 100.0}
+    assert actor.drafting() is (actor.batches % features.RECHECK_EVERY != 0)
+    actor.drafter = None
+    assert actor.drafting() is False
