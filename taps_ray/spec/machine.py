@@ -39,13 +39,15 @@ def fingerprint(target) -> dict:
 @functools.cache
 def engine_revision() -> str:
     """A hash of the source of the modules that run a verification forward (the static engine, its products,
-    the transformers attention hook): a change to the engine's code measures the cost model again. Read once per
-process."""
-    from taps_ray.models import attention, compiled, engine, graphs, quant
+    its attention, its C kernels, the transformers attention hook): a change to the engine's code measures the cost
+    model again. Read once per process."""
+    from taps_ray.models import attention, compiled, decode_attention, engine, graphs, native, quant
 
     digest = hashlib.sha256()
-    for module in (engine, quant, attention, graphs, compiled):
+    for module in (engine, quant, attention, graphs, compiled, decode_attention):
         digest.update(Path(str(module.__file__)).read_bytes())
+    for source in (native.SOURCE, native.ATTENTION_SOURCE):
+        digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
 
