@@ -1,9 +1,9 @@
 """One-token attention of a packed batch on CPU: every plain-step request of a forward in one kernel call per layer.
 
 A packed forward of B requests that each add one token (plain decoding, batched regeneration, a served batch)
-attends per request on that request's own cache. Through torch that is B cache writes and B SDPA calls per layer,
-whose fixed costs outweigh the arithmetic (on 2 AVX2 cores, 16 requests: ~2.2 ms a layer, against ~0.4 ms in
-``decode_attention.c``). The kernel writes each request's new key and value into its cache and attends, one thread
+attends per request on that request's own cache. Through torch that is 2B cache writes and B SDPA calls per layer,
+whose fixed costs outweigh the arithmetic (``benchmarks/bench_batch_forward.py --attention --compare-sdpa``). The
+kernel writes each request's new key and value into its cache and attends, one thread
 per (request, head) in a fixed order, so a request's bits do not depend on the batch it is in, nor on the thread
 count: the engine takes this path for every such request, alone or batched, and SDPA for every other.
 """
