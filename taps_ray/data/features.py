@@ -182,9 +182,8 @@ class RegenerateActor(_TargetActor):
         self.batches += 1
         if first and self.label:
             faster = "with the drafter" if self.rates[True] >= self.rates[False] else "plainly"
-            print(f"{self.label}: regenerating with the drafter {self.rates[True]:.0f} tokens/s, plainly batched "
-                  f"{self.rates[False]:.0f} tokens/s: decoding {faster} (the other again every {RECHECK_EVERY} "
-                  f"batches)", flush=True)
+            print(f"{self.label}: {self.rates[True]:.0f} tokens/s with the drafter, {self.rates[False]:.0f} "
+                  f"plainly batched: decoding {faster} (the other again every {RECHECK_EVERY} batches)", flush=True)
 
     def _strategy(self, drafting: bool = True):
         from taps_ray.spec.protocol import SingleStrategy, VanillaStrategy

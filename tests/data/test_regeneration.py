@@ -106,7 +106,7 @@ def test_regeneration_measures_both_modes_then_keeps_the_faster_and_tries_the_ot
         actor.observe(drafting, 50.0 if drafting else 100.0)
     assert modes[:2] == [True, False]
     assert [i for i, mode in enumerate(modes) if mode] == [0, features.RECHECK_EVERY]
-    assert "drafter 50 tokens/s, plainly batched 100 tokens/s: decoding plainly" in capsys.readouterr().out
+    assert "50 tokens/s with the drafter, 100 plainly batched: decoding plainly" in capsys.readouterr().out
     actor.rates = {True: 120.0, False: 100.0}
     assert actor.drafting() is (actor.batches % features.RECHECK_EVERY != 0)
     actor.drafter = None
