@@ -44,8 +44,6 @@ static void attend_head(const float *q, const float *keys, const float *values, 
     for (int64_t t = 0; t < d; t++) out[t] *= inverse;
 }
 
-const char *taps_decode_attention_kernel(void) { return "c-lanes8"; }
-
 /* keys/values: per request the address of its cache's layer-0 keys/values; capacity: its C; past: its valid
  * entries before this token. Returns 0, or -1 when scratch memory could not be allocated. */
 int taps_decode_attention(int64_t B, const int64_t *keys, const int64_t *values, const int64_t *capacity,

@@ -32,6 +32,7 @@ class DecodeAttention:
     def __init__(self, segments: list[Segment], rows: list[int], heads: int, kv_heads: int, head_dim: int,
                  scale: float):
         self.lib = attention_library()
+        self.taken = set(rows)  # the kernel segments' first rows
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.keys = torch.tensor([seg.cache.keys.data_ptr() for seg in segments], dtype=torch.int64)
         self.values = torch.tensor([seg.cache.values.data_ptr() for seg in segments], dtype=torch.int64)

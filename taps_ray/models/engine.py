@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from taps_ray.models.compiled import CompiledSteps, compile_support
-from taps_ray.models.decode_attention import DecodeAttention, takes_kernel
+from taps_ray.models.decode_attention import DecodeAttention
 from taps_ray.models.graphs import StepGraphs
 from taps_ray.models.quant import (
     GROUP,
@@ -375,7 +375,7 @@ class StaticEngine:
         kernel = None if windowed else DecodeAttention.plan(segments, starts, self.heads, self.kv_heads,
                                                             self.head_dim, self.scale)
         rest = [(seg, start, mask) for seg, start, mask in zip(segments, starts, masks)
-                if kernel is None or not takes_kernel(seg)]
+                if kernel is None or start not in kernel.taken]
 
         def attend(index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if not rest or len(segments) == 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from taps_ray import artifacts
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4q8.c")
 ATTENTION_SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -155,6 +158,7 @@ def attention_library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(built))
             except (OSError, KernelBuildError) as err:
                 _attention_failure = err if isinstance(err, KernelBuildError) else KernelBuildError(str(err))
+                log.info("one-token attention runs in torch's SDPA in this process: %s", _attention_failure)
                 return None
             pointer, size = ctypes.c_void_p, ctypes.c_int64
             lib.taps_decode_attention.argtypes = [size, pointer, pointer, pointer, pointer, size, size, size, size,
